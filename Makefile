@@ -1,0 +1,67 @@
+# Developer and CI entry points. `make test` is the test command (.ci/run calls it); it builds .venv on first use.
+SHELL := bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.stamp
+LIB := dali_fastai
+# pytest-xdist workers: the CI box has 2 cores
+N ?= 2
+# torch and torchvision, installed together from the package registry before the project: a local wheel directory
+# (pip's find-links) may offer a CPU torch with no matching torchvision. The pair below is the one the project is
+# tested with; another build: `make venv TORCH_PKGS="torch==X torchvision==Y"` (after `rm $(STAMP)`).
+TORCH_PKGS ?= torch==2.15.0 torchvision==0.29.2
+PIP := $(BIN)/python -m pip --disable-pip-version-check --no-input
+PIP_INSTALL := $(PIP) install --quiet --progress-bar off
+# pip warns once per package about `file://` extra indexes that lack it; that is noise, not news
+QUIET_PIP := { grep -v -e 'is ignored: it is neither a file nor a directory' >&2 || true; }
+
+.PHONY: help venv test demo export clean settings readme gpu-test
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
+
+venv: $(STAMP)  ## create .venv (python3 -m venv) with torch, torchvision and this package installed editable, with [dev]
+
+# The stamp holds a checksum of pyproject.toml: nbdev-export rewrites that file (same content, new mtime) on every run,
+# and an mtime-only stamp would reinstall on each `make test`.
+$(STAMP): pyproject.toml
+	@key="$$(cksum < pyproject.toml) $(TORCH_PKGS)"; \
+	if [ -f $@ ] && [ "$$(cat $@)" = "$$key" ]; then touch $@; exit 0; fi; \
+	test -x $(BIN)/python || { echo "== $(PYTHON) -m venv $(VENV)"; $(PYTHON) -m venv $(VENV); }; \
+	echo "== pip install $(TORCH_PKGS)  (from the registry; several GB the first time)"; \
+	$(PIP_INSTALL) $(TORCH_PKGS) 2>&1 | $(QUIET_PIP); \
+	echo '== pip install -e ".[dev]"'; \
+	$(PIP_INSTALL) $(TORCH_PKGS) -e ".[dev]" 2>&1 | $(QUIET_PIP); \
+	$(BIN)/python -c 'import torch, torchvision, nvidia.dali, fastai, nbdev; print("== venv ready: torch", torch.__version__, "| torchvision", torchvision.__version__, "| DALI", nvidia.dali.__version__, "| fastai", fastai.__version__, "| nbdev", nbdev.__version__)'; \
+	echo "$$key" > $@
+
+test: venv  ## the test command: exported modules match the notebooks, then pytest (notebooks included) on CPU
+	@echo "== nbdev-export: the committed $(LIB)/ must be what the notebooks export"
+	@env -u IN_TEST $(BIN)/nbdev-export
+	@changed="$$(git status --porcelain -- $(LIB))"; if [ -n "$$changed" ]; then \
+	  echo "nbdev-export changed $(LIB)/: export the notebooks and commit the result with them:"; echo "$$changed"; \
+	  git --no-pager diff --stat -- $(LIB); exit 1; fi
+	@echo "== pytest -n $(N) tests  (per-test timeout: [tool.pytest.ini_options] in pyproject.toml)"
+	$(BIN)/python -m pytest -n $(N) -ra tests
+
+demo: venv  ## train for 2 epochs on the CPU through the command line
+	$(BIN)/dali-fastai train --epochs 2 --device cpu
+
+export: venv  ## nbdev-export: notebooks -> dali_fastai/
+	$(BIN)/nbdev-export
+
+clean: venv  ## nbdev-clean: strip notebook metadata and execution counts
+	$(BIN)/nbdev-clean
+
+settings:  ## regenerate settings.ini from pyproject.toml
+	$(PYTHON) tools/settings_ini.py
+
+readme:  ## regenerate README.md from nbs/index.ipynb
+	$(PYTHON) tools/readme.py
+
+gpu-test: venv  ## on the GPU machine: run the notebooks with their `#| cuda` cells
+	$(BIN)/nbdev-test --flags cuda

@@ -1,0 +1,12 @@
+"Test session setup: headless plotting, and the CPU cores shared out among pytest-xdist workers"
+import os
+
+# Set before anything imports matplotlib or torch: the notebooks run inside these same worker processes.
+# CUDA_VISIBLE_DEVICES is left alone: GPU-only cells carry `#| cuda` and are skipped here (`make gpu-test` runs them).
+os.environ.setdefault('MPLBACKEND', 'Agg')  # plots render off-screen
+
+# n workers that each start one thread per core oversubscribe an n-core CI box; give each worker its share.
+_workers = int(os.environ.get('PYTEST_XDIST_WORKER_COUNT', '1'))
+if _workers > 1:
+    _threads = str(max(1, (os.cpu_count() or 1) // _workers))
+    for _var in ('OMP_NUM_THREADS', 'MKL_NUM_THREADS', 'OPENBLAS_NUM_THREADS'): os.environ.setdefault(_var, _threads)
