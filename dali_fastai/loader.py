@@ -7,7 +7,7 @@ Docs: https://dali-fastai.github.io/dali_fastai/loader.html.md"""
 # %% auto #0
 __all__ = ['n_batches', 'as_device', 'dali_device_id', 'DaliNormalize', 'ImageItems', 'DaliDataLoader', 'DaliDataLoaders']
 
-# %% ../nbs/03_loader.ipynb #0a79a114
+# %% ../nbs/03_loader.ipynb #ac8bf58c
 from pathlib import Path
 import numpy as np
 import pandas as pd
@@ -25,7 +25,7 @@ from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 from .augment import synthetic_warps
 from .pipeline import train_pipeline, valid_pipeline, IMAGENET_MEAN, IMAGENET_STD
 
-# %% ../nbs/03_loader.ipynb #ad9ecd14
+# %% ../nbs/03_loader.ipynb #d97a0c0d
 def n_batches(n_items:int, # items in one epoch (one shard)
               bs:int, # batch size
               drop_last:bool=False, # drop the last partial batch
@@ -34,7 +34,7 @@ def n_batches(n_items:int, # items in one epoch (one shard)
     if bs < 1: raise ValueError(f"bs must be at least 1, got {bs}")
     return n_items // bs if drop_last else -(-n_items // bs)
 
-# %% ../nbs/03_loader.ipynb #5d7c6fc4
+# %% ../nbs/03_loader.ipynb #47c4be71
 def as_device(device:str|torch.device|None=None, # 'cpu', 'gpu', 'cuda', 'cuda:1', a `torch.device`, or None
              )->torch.device: # the torch device batches land on
     "The device to decode on: the GPU when one is visible, unless told otherwise"
@@ -52,14 +52,14 @@ def dali_device_id(device:torch.device)->int|None:
     "DALI's `device_id`: the GPU's index, or None for DALI's CPU backend"
     return device.index if device.type == 'cuda' else None
 
-# %% ../nbs/03_loader.ipynb #946b4f3c
+# %% ../nbs/03_loader.ipynb #fe21df9f
 class DaliNormalize(Normalize):
-    "A `Normalize` whose work DALI has already done: `encodes` passes batches through, `decodes` denormalizes for display"
+    "A `Normalize` whose work DALI has already done: `encodes` passes batches through, `decodes` denormalizes to 0..1"
     def encodes(self, x:TensorImage): return x
     def decodes(self, x:TensorImage):
-        return TensorImage(x.float() * self.std.to(x.device) + self.mean.to(x.device))
+        return TensorImage((x.float() * self.std.to(x.device) + self.mean.to(x.device)).clamp(0, 1))
 
-# %% ../nbs/03_loader.ipynb #e47f03c7
+# %% ../nbs/03_loader.ipynb #73b4bb1a
 class ImageItems:
     "The labelled files a loader reads, and how to decode a label back to its class name"
     def __init__(self, files:list, # image paths
@@ -81,7 +81,7 @@ class ImageItems:
     def __repr__(self): return f"{type(self).__name__}({len(self)} files, {self.c} classes)"
     def decode_label(self, y): return self.categorize.decode(y)
 
-# %% ../nbs/03_loader.ipynb #836ded9b
+# %% ../nbs/03_loader.ipynb #3bd1b6d0
 class DaliDataLoader:
     "A fastai-style loader over one DALI pipeline; every `iter()` is a whole, fresh epoch"
     def __init__(self,
@@ -127,7 +127,7 @@ class DaliDataLoader:
     @property
     def n_inp(self): return 1
 
-# %% ../nbs/03_loader.ipynb #3175ce76
+# %% ../nbs/03_loader.ipynb #224a35f9
 class DaliDataLoader(DaliDataLoader):
     def _pipeline(self, seed):
         labels = self.items.labels or [0]*len(self.items)
@@ -144,7 +144,7 @@ class DaliDataLoader(DaliDataLoader):
         return DALIGenericIterator([self._pipeline(seed)], ['images', 'labels'], reader_name='Reader',
                                    last_batch_policy=policy, auto_reset=True, prepare_first_batch=False)
 
-# %% ../nbs/03_loader.ipynb #f4e1fce5
+# %% ../nbs/03_loader.ipynb #adf0ca26
 class DaliDataLoader(DaliDataLoader):
     def close(self):
         "Free the DALI pipeline and its memory; the next `iter()` builds a new one"
@@ -174,7 +174,7 @@ class DaliDataLoader(DaliDataLoader):
         if self.items.labels is None: return (x,)
         return (x, TensorCategory(d['labels'].squeeze(-1).long()))
 
-# %% ../nbs/03_loader.ipynb #a58f5c4e
+# %% ../nbs/03_loader.ipynb #d5a14421
 class DaliDataLoader(DaliDataLoader):
     def one_batch(self):
         "The first batch of a (fresh) epoch"
@@ -198,7 +198,7 @@ class DaliDataLoader(DaliDataLoader):
         b = self.decode(b)
         return detuplify(b[:self.n_inp]),detuplify(b[self.n_inp:]),self._decode_batch(b, max_n, full=False)
 
-# %% ../nbs/03_loader.ipynb #68065380
+# %% ../nbs/03_loader.ipynb #28f71e66
 class DaliDataLoader(DaliDataLoader):
     def show_batch(self, b=None, # a batch; default: `one_batch()`
                    max_n:int=9, # how many samples to show
@@ -227,7 +227,7 @@ class DaliDataLoader(DaliDataLoader):
         if not show: return res
         show_results_grid(*res, ctxs=ctxs, max_n=max_n, **kwargs)
 
-# %% ../nbs/03_loader.ipynb #f41989ef
+# %% ../nbs/03_loader.ipynb #117f8675
 _ARGS = 'items,bs,size,train,shuffle,drop_last,device,seed,num_threads,prefetch,mean,std,dtype,crop_pct,drain_limit'
 
 class DaliDataLoader(DaliDataLoader):
@@ -251,7 +251,7 @@ class DaliDataLoader(DaliDataLoader):
         "Pickle the settings, never the DALI pipeline (it cannot be pickled): it is rebuilt on the next `iter()`"
         return {**self.__dict__, '_it': None, '_done': True, '_taken': 0}
 
-# %% ../nbs/03_loader.ipynb #2645a323
+# %% ../nbs/03_loader.ipynb #b916ec1a
 def _label_ids(labels, vocab, where):
     idx = {v: i for i,v in enumerate(vocab)}
     missing = sorted({str(l) for l in labels if l not in idx})
@@ -263,7 +263,7 @@ def _check_files(files, where):
     if len(files) == 0:
         raise ValueError(f"no images in {where}: check the path and folder names (fastai's get_image_files finds the images)")
 
-# %% ../nbs/03_loader.ipynb #4d22d6e3
+# %% ../nbs/03_loader.ipynb #694f22f8
 class DaliDataLoaders(DataLoaders):
     "fastai `DataLoaders` over DALI pipelines (a train and a valid `DaliDataLoader`), built like `ImageDataLoaders`"
     @classmethod
@@ -295,7 +295,7 @@ class DaliDataLoaders(DataLoaders):
                              "partial batch: use a smaller bs")
         return cls(train, valid, path=path, device=train.device)
 
-# %% ../nbs/03_loader.ipynb #695c7cf5
+# %% ../nbs/03_loader.ipynb #5e35141b
 class DaliDataLoaders(DaliDataLoaders):
     @classmethod
     def from_lists(cls, path, # root of the dataset
@@ -335,7 +335,7 @@ class DaliDataLoaders(DaliDataLoaders):
         return cls.from_splits(path, files[t], [parent_label(f) for f in files[t]],
                                files[v], [parent_label(f) for f in files[v]], vocab=vocab, seed=seed, **kwargs)
 
-# %% ../nbs/03_loader.ipynb #770e61bb
+# %% ../nbs/03_loader.ipynb #1e752289
 class DaliDataLoaders(DaliDataLoaders):
     @classmethod
     def from_name_func(cls, path, fnames:list, label_func, # function from a path to its label
@@ -389,7 +389,7 @@ class DaliDataLoaders(DaliDataLoaders):
         df = pd.read_csv(Path(path)/csv_fname, header=header, delimiter=delimiter)
         return cls.from_df(df, path, **kwargs)
 
-# %% ../nbs/03_loader.ipynb #4c13eb11
+# %% ../nbs/03_loader.ipynb #86d0e928
 class DaliDataLoaders(DaliDataLoaders):
     def test_dl(self, test_items:list, # image paths
                 rm_type_tfms=None, # fastai's predict passes None; anything else is not supported
