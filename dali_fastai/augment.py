@@ -8,12 +8,12 @@ Docs: https://dali-fastai.github.io/dali_fastai/augment.html.md"""
 __all__ = ['warp_matrix', 'synthetic_warps', 'flip_matrix', 'rotation_matrix', 'compose_matrices', 'coin', 'maybe',
            'random_warp_node', 'rotation_node', 'affine_steps', 'combine_steps', 'warp', 'lighting']
 
-# %% ../nbs/01_augment.ipynb #7ea278cc
+# %% ../nbs/01_augment.ipynb #b02ef142
 import numpy as np
 from nvidia.dali import fn, types
 from nvidia.dali.data_node import DataNode
 
-# %% ../nbs/01_augment.ipynb #c53ee79b
+# %% ../nbs/01_augment.ipynb #6356aee1
 def warp_matrix(x:float, # horizontal shift of the corners, as a fraction of `size`
                 y:float, # vertical shift of the corners, as a fraction of `size`
                 size:int, # side of the square image, in pixels
@@ -22,7 +22,7 @@ def warp_matrix(x:float, # horizontal shift of the corners, as a fraction of `si
     return np.array([[1+2*x, 2*x, -x*size],
                      [2*y, 1+2*y, -y*size]], dtype=np.float32)
 
-# %% ../nbs/01_augment.ipynb #77cda2c1
+# %% ../nbs/01_augment.ipynb #72d0a2d5
 def synthetic_warps(n:int=7, # how many fixed warps
                     magnitude:float=0.1, # x and y are drawn from U(-magnitude, magnitude)
                     seed:int|None=None, # seed for the draw; None draws fresh ones
@@ -32,7 +32,7 @@ def synthetic_warps(n:int=7, # how many fixed warps
     if magnitude < 0: raise ValueError(f"warp magnitude must be 0 or more, got {magnitude}")
     return np.random.default_rng(seed).uniform(-magnitude, magnitude, size=(n, 2)).astype(np.float32)
 
-# %% ../nbs/01_augment.ipynb #991e9580
+# %% ../nbs/01_augment.ipynb #8cf4dec2
 def flip_matrix(size:int, # side of the square image, in pixels
                 horizontal:bool=True, # mirror left-right
                 vertical:bool=False, # mirror top-bottom
@@ -42,7 +42,7 @@ def flip_matrix(size:int, # side of the square image, in pixels
     return np.array([[sx, 0, size if horizontal else 0],
                      [0, sy, size if vertical else 0]], dtype=np.float32)
 
-# %% ../nbs/01_augment.ipynb #7610dbef
+# %% ../nbs/01_augment.ipynb #a785a803
 def rotation_matrix(degrees:float, # counter-clockwise as seen on screen, like `PIL.Image.rotate`
                     size:int, # side of the square image, in pixels
                    )->np.ndarray: # 2×3 destination → source map
@@ -52,7 +52,7 @@ def rotation_matrix(degrees:float, # counter-clockwise as seen on screen, like `
     return np.array([[c, -s, h - c*h + s*h],
                      [s,  c, h - s*h - c*h]], dtype=np.float32)
 
-# %% ../nbs/01_augment.ipynb #5af62af1
+# %% ../nbs/01_augment.ipynb #47784048
 def compose_matrices(*ms:np.ndarray, # 2×3 destination → source maps, in the order the steps apply to the image
                     )->np.ndarray: # one 2×3 destination → source map doing all steps
     "Compose destination → source maps: `compose_matrices(a, b)` warps by `a`, then by `b`"
@@ -60,7 +60,7 @@ def compose_matrices(*ms:np.ndarray, # 2×3 destination → source maps, in the 
     for m in ms: res = res @ np.vstack([m, [0, 0, 1]]).astype(np.float32)
     return res[:2]
 
-# %% ../nbs/01_augment.ipynb #2c8d6c1e
+# %% ../nbs/01_augment.ipynb #0824fe19
 _IDENTITY = np.eye(2, 3, dtype=np.float32)
 
 def coin(p:float, # probability of 1
@@ -75,7 +75,7 @@ def maybe(m:np.ndarray, # fixed 2×3 matrix
     "Per-sample choice between `m` and the identity"
     return types.Constant(_IDENTITY) + c * types.Constant((m - _IDENTITY).astype(np.float32))
 
-# %% ../nbs/01_augment.ipynb #9cd829f4
+# %% ../nbs/01_augment.ipynb #c4643f07
 def random_warp_node(size:int, # side of the square image, in pixels
                      magnitude:float, # x and y are drawn from U(-magnitude, magnitude) for every sample
                      c:DataNode, # per-sample 0/1 coin: 0 gives the identity
@@ -95,7 +95,7 @@ def rotation_node(size:int, # side of the square image, in pixels
     # DALI's rotation is the forward map for a clockwise turn on screen: the same matrix is our counter-clockwise inverse map
     return fn.transforms.rotation(angle=angle, center=[size/2, size/2])
 
-# %% ../nbs/01_augment.ipynb #8183ceb7
+# %% ../nbs/01_augment.ipynb #81e17061
 def affine_steps(size:int, # side of the square image, in pixels
                  p_hflip:float=0.5, # probability of a horizontal flip
                  p_vflip:float=0.1, # probability of a vertical flip
@@ -117,7 +117,7 @@ def affine_steps(size:int, # side of the square image, in pixels
     if p_hflip > 0: steps.append(maybe(flip_matrix(size), coin(p_hflip)))
     return steps
 
-# %% ../nbs/01_augment.ipynb #a5d4a0bb
+# %% ../nbs/01_augment.ipynb #13d08df5
 def combine_steps(steps:list, # per-sample 2×3 destination → source maps, in the order they apply
                  )->DataNode: # one per-sample 2×3 destination → source map
     "Multiply the steps into one matrix per sample, so the image is resampled once"
@@ -126,7 +126,7 @@ def combine_steps(steps:list, # per-sample 2×3 destination → source maps, in 
     # so the last step's map comes first.
     return fn.transforms.combine(*reversed(steps))
 
-# %% ../nbs/01_augment.ipynb #2e2d775f
+# %% ../nbs/01_augment.ipynb #a697af71
 _BORDERS = {'reflection': 'reflect', 'zeros': 'constant', 'border': 'replicate'}
 
 def warp(images:DataNode, # square images, HWC
@@ -140,7 +140,7 @@ def warp(images:DataNode, # square images, HWC
     return fn.experimental.warp_perspective(images, matrix=m3, border_mode=_BORDERS[pad_mode], fill_value=0,
                                             interp_type=types.INTERP_LINEAR)
 
-# %% ../nbs/01_augment.ipynb #899884cc
+# %% ../nbs/01_augment.ipynb #5450727b
 def lighting(images:DataNode, # images, HWC uint8
              max_lighting:float=0.2, # brightness and contrast change by up to this fraction
              p_lighting:float=0.75, # probability of changing a sample

@@ -7,7 +7,7 @@ Docs: https://dali-fastai.github.io/dali_fastai/cli.html.md"""
 # %% auto #0
 __all__ = ['dataloaders_for', 'arch_by_name', 'train', 'parser', 'main']
 
-# %% ../nbs/05_cli.ipynb #c11f1411
+# %% ../nbs/05_cli.ipynb #8ddbfc9d
 import argparse, sys, time
 from pathlib import Path
 import torchvision.models
@@ -19,7 +19,7 @@ from fastai.callback.progress import ProgressCallback
 from .datasets import fashion_mnist
 from .loader import DaliDataLoaders
 
-# %% ../nbs/05_cli.ipynb #5090af1e
+# %% ../nbs/05_cli.ipynb #2b97b9b2
 def dataloaders_for(path:str|Path|None=None, # ImageNet-style folder; None: the embedded Fashion-MNIST sample
                     valid_pct:float=0.2, # used only when `path` has no `valid/` folder
                     **kwargs, # `DaliDataLoaders.from_folder` options: bs, size, device, seed, ...
@@ -33,7 +33,7 @@ def dataloaders_for(path:str|Path|None=None, # ImageNet-style folder; None: the 
     if (path/'valid').is_dir(): return DaliDataLoaders.from_folder(path, **kwargs)
     return DaliDataLoaders.from_folder(path, valid_pct=valid_pct, **kwargs)
 
-# %% ../nbs/05_cli.ipynb #9adbff38
+# %% ../nbs/05_cli.ipynb #28599474
 def arch_by_name(name:str): # a torchvision model function, e.g. 'resnet18'
     "The torchvision model function called `name`"
     fn = getattr(torchvision.models, name, None)
@@ -51,12 +51,12 @@ def train(path:str|Path|None=None, # ImageNet-style folder; None: the embedded F
           pretrained:bool=False, # start from ImageNet weights (downloads them once)
           seed:int|None=None, # seed for the split, order and augmentation
           export:str|None=None, # save the trained Learner here with `Learner.export`
-          progress:bool=True, # show fastai's progress bars
+          progress:bool|None=None, # fastai's progress bars; default: when printing to a terminal (else one line an epoch)
          )->Learner:
     "Train `arch` on `path` with DALI loaders and print a final metrics line"
     dls = dataloaders_for(path, bs=bs, size=size, device=device, seed=seed)
     learn = vision_learner(dls, arch_by_name(arch), metrics=accuracy, pretrained=pretrained)
-    if not progress: learn.remove_cb(ProgressCallback)
+    if not (sys.stdout.isatty() if progress is None else progress): learn.remove_cb(ProgressCallback)
     start = time.perf_counter()
     learn.fit_one_cycle(epochs, lr)
     train_loss,valid_loss,acc = learn.recorder.values[-1]
@@ -66,7 +66,7 @@ def train(path:str|Path|None=None, # ImageNet-style folder; None: the embedded F
     if export: learn.export(Path(export).absolute())
     return learn
 
-# %% ../nbs/05_cli.ipynb #4b6277ed
+# %% ../nbs/05_cli.ipynb #d0a2cc28
 def parser()->argparse.ArgumentParser:
     "The `dali-fastai` command line"
     p = argparse.ArgumentParser(prog='dali-fastai', description="fastai training fed by NVIDIA DALI pipelines")

@@ -7,7 +7,7 @@ Docs: https://dali-fastai.github.io/dali_fastai/loader.html.md"""
 # %% auto #0
 __all__ = ['n_batches', 'as_device', 'dali_device_id', 'DaliNormalize', 'ImageItems', 'DaliDataLoader', 'DaliDataLoaders']
 
-# %% ../nbs/03_loader.ipynb #ac8bf58c
+# %% ../nbs/03_loader.ipynb #414fa8c6
 from pathlib import Path
 import numpy as np
 import pandas as pd
@@ -25,7 +25,7 @@ from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 from .augment import synthetic_warps
 from .pipeline import train_pipeline, valid_pipeline, IMAGENET_MEAN, IMAGENET_STD
 
-# %% ../nbs/03_loader.ipynb #d97a0c0d
+# %% ../nbs/03_loader.ipynb #5f2e50bf
 def n_batches(n_items:int, # items in one epoch (one shard)
               bs:int, # batch size
               drop_last:bool=False, # drop the last partial batch
@@ -34,7 +34,7 @@ def n_batches(n_items:int, # items in one epoch (one shard)
     if bs < 1: raise ValueError(f"bs must be at least 1, got {bs}")
     return n_items // bs if drop_last else -(-n_items // bs)
 
-# %% ../nbs/03_loader.ipynb #47c4be71
+# %% ../nbs/03_loader.ipynb #dcc47267
 def as_device(device:str|torch.device|None=None, # 'cpu', 'gpu', 'cuda', 'cuda:1', a `torch.device`, or None
              )->torch.device: # the torch device batches land on
     "The device to decode on: the GPU when one is visible, unless told otherwise"
@@ -52,14 +52,14 @@ def dali_device_id(device:torch.device)->int|None:
     "DALI's `device_id`: the GPU's index, or None for DALI's CPU backend"
     return device.index if device.type == 'cuda' else None
 
-# %% ../nbs/03_loader.ipynb #fe21df9f
+# %% ../nbs/03_loader.ipynb #7c43f03c
 class DaliNormalize(Normalize):
     "A `Normalize` whose work DALI has already done: `encodes` passes batches through, `decodes` denormalizes to 0..1"
     def encodes(self, x:TensorImage): return x
     def decodes(self, x:TensorImage):
         return TensorImage((x.float() * self.std.to(x.device) + self.mean.to(x.device)).clamp(0, 1))
 
-# %% ../nbs/03_loader.ipynb #73b4bb1a
+# %% ../nbs/03_loader.ipynb #92f624b6
 class ImageItems:
     "The labelled files a loader reads, and how to decode a label back to its class name"
     def __init__(self, files:list, # image paths
@@ -81,7 +81,9 @@ class ImageItems:
     def __repr__(self): return f"{type(self).__name__}({len(self)} files, {self.c} classes)"
     def decode_label(self, y): return self.categorize.decode(y)
 
-# %% ../nbs/03_loader.ipynb #3bd1b6d0
+# %% ../nbs/03_loader.ipynb #a1d98f23
+_ARGS = 'items,bs,size,train,shuffle,drop_last,device,seed,num_threads,prefetch,mean,std,dtype,crop_pct,drain_limit'
+
 class DaliDataLoader:
     "A fastai-style loader over one DALI pipeline; every `iter()` is a whole, fresh epoch"
     def __init__(self,
@@ -127,8 +129,6 @@ class DaliDataLoader:
     @property
     def n_inp(self): return 1
 
-# %% ../nbs/03_loader.ipynb #224a35f9
-class DaliDataLoader(DaliDataLoader):
     def _pipeline(self, seed):
         labels = self.items.labels or [0]*len(self.items)
         kw = dict(bs=self.bs, size=self.size, device_id=dali_device_id(self.device), num_threads=self.num_threads,
@@ -144,8 +144,6 @@ class DaliDataLoader(DaliDataLoader):
         return DALIGenericIterator([self._pipeline(seed)], ['images', 'labels'], reader_name='Reader',
                                    last_batch_policy=policy, auto_reset=True, prepare_first_batch=False)
 
-# %% ../nbs/03_loader.ipynb #adf0ca26
-class DaliDataLoader(DaliDataLoader):
     def close(self):
         "Free the DALI pipeline and its memory; the next `iter()` builds a new one"
         self._it,self._done,self._taken = None,True,0
@@ -174,8 +172,6 @@ class DaliDataLoader(DaliDataLoader):
         if self.items.labels is None: return (x,)
         return (x, TensorCategory(d['labels'].squeeze(-1).long()))
 
-# %% ../nbs/03_loader.ipynb #d5a14421
-class DaliDataLoader(DaliDataLoader):
     def one_batch(self):
         "The first batch of a (fresh) epoch"
         if len(self) == 0: raise ValueError(f"this loader yields no batch: {len(self.items)} items with bs={self.bs}"
@@ -198,8 +194,6 @@ class DaliDataLoader(DaliDataLoader):
         b = self.decode(b)
         return detuplify(b[:self.n_inp]),detuplify(b[self.n_inp:]),self._decode_batch(b, max_n, full=False)
 
-# %% ../nbs/03_loader.ipynb #28f71e66
-class DaliDataLoader(DaliDataLoader):
     def show_batch(self, b=None, # a batch; default: `one_batch()`
                    max_n:int=9, # how many samples to show
                    ctxs=None, # matplotlib axes to draw on
@@ -227,10 +221,6 @@ class DaliDataLoader(DaliDataLoader):
         if not show: return res
         show_results_grid(*res, ctxs=ctxs, max_n=max_n, **kwargs)
 
-# %% ../nbs/03_loader.ipynb #117f8675
-_ARGS = 'items,bs,size,train,shuffle,drop_last,device,seed,num_threads,prefetch,mean,std,dtype,crop_pct,drain_limit'
-
-class DaliDataLoader(DaliDataLoader):
     def new(self, **kwargs):
         "A loader like this one, with `kwargs` changed"
         args = {k: getattr(self, k) for k in _ARGS.split(',')}
@@ -251,7 +241,7 @@ class DaliDataLoader(DaliDataLoader):
         "Pickle the settings, never the DALI pipeline (it cannot be pickled): it is rebuilt on the next `iter()`"
         return {**self.__dict__, '_it': None, '_done': True, '_taken': 0}
 
-# %% ../nbs/03_loader.ipynb #b916ec1a
+# %% ../nbs/03_loader.ipynb #7067601d
 def _label_ids(labels, vocab, where):
     idx = {v: i for i,v in enumerate(vocab)}
     missing = sorted({str(l) for l in labels if l not in idx})
@@ -263,7 +253,7 @@ def _check_files(files, where):
     if len(files) == 0:
         raise ValueError(f"no images in {where}: check the path and folder names (fastai's get_image_files finds the images)")
 
-# %% ../nbs/03_loader.ipynb #694f22f8
+# %% ../nbs/03_loader.ipynb #956cac70
 class DaliDataLoaders(DataLoaders):
     "fastai `DataLoaders` over DALI pipelines (a train and a valid `DaliDataLoader`), built like `ImageDataLoaders`"
     @classmethod
@@ -295,8 +285,6 @@ class DaliDataLoaders(DataLoaders):
                              "partial batch: use a smaller bs")
         return cls(train, valid, path=path, device=train.device)
 
-# %% ../nbs/03_loader.ipynb #5e35141b
-class DaliDataLoaders(DaliDataLoaders):
     @classmethod
     def from_lists(cls, path, # root of the dataset
                    fnames:list, # image paths
@@ -335,8 +323,6 @@ class DaliDataLoaders(DaliDataLoaders):
         return cls.from_splits(path, files[t], [parent_label(f) for f in files[t]],
                                files[v], [parent_label(f) for f in files[v]], vocab=vocab, seed=seed, **kwargs)
 
-# %% ../nbs/03_loader.ipynb #1e752289
-class DaliDataLoaders(DaliDataLoaders):
     @classmethod
     def from_name_func(cls, path, fnames:list, label_func, # function from a path to its label
                        **kwargs):
@@ -389,8 +375,6 @@ class DaliDataLoaders(DaliDataLoaders):
         df = pd.read_csv(Path(path)/csv_fname, header=header, delimiter=delimiter)
         return cls.from_df(df, path, **kwargs)
 
-# %% ../nbs/03_loader.ipynb #86d0e928
-class DaliDataLoaders(DaliDataLoaders):
     def test_dl(self, test_items:list, # image paths
                 rm_type_tfms=None, # fastai's predict passes None; anything else is not supported
                 with_labels:bool=False, # label files by their parent folder, like `from_folder`
