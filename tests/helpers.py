@@ -1,0 +1,86 @@
+"""Shared test data: images whose colour encodes their index, a Fashion-MNIST subset, and a tiny model.
+
+Import explicitly (`from helpers import ...`): pytest puts `tests/` on `sys.path` (rootdir-relative import, no
+`__init__.py`)."""
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import nn
+
+from dali_fastai.datasets import fashion_mnist, FASHION_MNIST_CLASSES
+from dali_fastai.loader import DaliDataLoader, ImageItems
+from dali_fastai.pipeline import IMAGENET_MEAN, IMAGENET_STD
+
+MAX_INDEX = 256  # `index_colour` encodes 0 .. 255
+
+
+def index_colour(i:int)->tuple:
+    "RGB of item `i`: 16 levels of red for `i % 16`, 16 of green for `i // 16`, in the middle of each level's band"
+    if not 0 <= i < MAX_INDEX: raise ValueError(f"index {i} out of 0..{MAX_INDEX-1}")
+    return (16*(i % 16) + 8, 16*(i // 16) + 8, 128)
+
+
+def make_index_images(folder, n:int, side:int=12)->list:
+    "Lossless PNGs `folder/000.png ...`, each one solid `index_colour(i)`: crops, resizes and flips keep the colour"
+    folder = Path(folder); folder.mkdir(parents=True, exist_ok=True)
+    files = []
+    for i in range(n):
+        f = folder/f'{i:03d}.png'
+        Image.fromarray(np.full((side, side, 3), index_colour(i), dtype=np.uint8)).save(f)
+        files.append(f)
+    return files
+
+
+def denorm(x:torch.Tensor, mean=IMAGENET_MEAN, std=IMAGENET_STD)->torch.Tensor:
+    "Normalized NCHW batch → 0..255 floats"
+    m,s = torch.tensor(mean).view(1, 3, 1, 1),torch.tensor(std).view(1, 3, 1, 1)
+    return (x.float().cpu()*s + m)*255
+
+
+def decode_index(x:torch.Tensor)->list:
+    "Item indices of a normalized batch of `make_index_images` images, read back from their colour"
+    p = denorm(x)
+    r,g = p[:, 0].mean((1, 2)),p[:, 1].mean((1, 2))
+    return ((r // 16) + 16*(g // 16)).long().tolist()
+
+
+def index_items(files:list)->ImageItems:
+    "Items labelled by their index (the file name's number), out of `MAX_INDEX` classes named '0', '1', ..."
+    return ImageItems(files, [int(Path(f).stem) for f in files], [str(i) for i in range(MAX_INDEX)])
+
+
+def index_loader(files:list, bs:int, size:int=8, **kwargs)->DaliDataLoader:
+    "A CPU loader over `files` (from `make_index_images`) whose label is each item's index"
+    return DaliDataLoader(index_items(files), bs=bs, size=size, device='cpu', **kwargs)
+
+
+def epoch_items(dl)->list:
+    "One epoch of `dl` as a list of batches, each a list of item indices; checks labels and pixels agree"
+    res = []
+    for x,y in dl:
+        ids = y.tolist()
+        assert decode_index(x) == ids, f"images {decode_index(x)} do not match their labels {ids}"
+        res.append(ids)
+    return res
+
+
+def fmnist_path()->Path:
+    "The embedded Fashion-MNIST folders (written once into the user's cache)"
+    return fashion_mnist(progress=False)
+
+
+def fmnist_subset(n_per_class:int=30, split:str='train')->tuple:
+    "(files, labels): the first `n_per_class` images of every Fashion-MNIST class in `split`, in class order"
+    root = fmnist_path()/split
+    files,labels = [],[]
+    for c in FASHION_MNIST_CLASSES:
+        fs = sorted((root/c).glob('*.jpg'))[:n_per_class]
+        files += fs; labels += [c]*len(fs)
+    return files,labels
+
+
+def tiny_model(c:int)->nn.Module:
+    "A model for tests where the architecture is not the point: mean colour → `c` logits"
+    return nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(3, c))

@@ -1,0 +1,457 @@
+"""`DaliDataLoader` edge cases: exact `len`, exactly-once epochs, whole epochs after abandoned ones, pickling,
+bad input, seeds.
+
+Items are identified by their label (the item's index) and, independently, by their colour
+(see `helpers.make_index_images`)."""
+import os
+import pickle
+
+import matplotlib
+matplotlib.use('Agg')
+import matplotlib.pyplot as plt
+import numpy as np
+import pytest
+import torch
+from fastai.callback.core import (Callback, CancelEpochException, CancelFitException, CancelTrainException,
+                                  CancelValidException)
+from fastai.callback.schedule import lr_find  # noqa: F401 (adds Learner.lr_find)
+from fastai.learner import Learner
+from fastai.losses import CrossEntropyLossFlat
+from PIL import Image
+
+from dali_fastai.loader import DaliDataLoader, DaliDataLoaders, ImageItems
+from helpers import MAX_INDEX, make_index_images, index_items, index_loader, epoch_items, fmnist_subset, tiny_model
+
+N_FILES = 64
+
+
+@pytest.fixture(scope='module')
+def files(tmp_path_factory): return make_index_images(tmp_path_factory.mktemp('index'), N_FILES)
+
+
+def flat(batches): return [i for b in batches for i in b]
+
+
+# ---------------------------------------------------------------- exact len, exactly once
+
+SIZES = [*range(1, 14), 31, 64]
+BATCH_SIZES = [1, 2, 3, 4, 7, 8]
+
+
+@pytest.mark.parametrize('bs', BATCH_SIZES)
+@pytest.mark.parametrize('n', SIZES)
+def test_valid_yields_len_batches_each_item_once_in_order(files, n, bs):
+    dl = index_loader(files[:n], bs)
+    assert len(dl) == -(-n // bs)
+    for epoch in range(2):
+        batches = epoch_items(dl)
+        assert len(batches) == len(dl), f"epoch {epoch}"
+        assert [len(b) for b in batches] == [bs]*(n // bs) + ([n % bs] if n % bs else [])
+        assert flat(batches) == list(range(n)), f"epoch {epoch}: every item once, in order"
+
+
+@pytest.mark.parametrize('bs', BATCH_SIZES)
+@pytest.mark.parametrize('n', SIZES)
+def test_train_drop_last_yields_full_batches_no_duplicate(files, n, bs):
+    dl = index_loader(files[:n], bs, train=True, seed=100*n + bs)
+    assert len(dl) == n // bs
+    for epoch in range(3):
+        batches = epoch_items(dl)
+        assert len(batches) == len(dl), f"epoch {epoch}"
+        assert all(len(b) == bs for b in batches), f"epoch {epoch}: {[len(b) for b in batches]}"
+        items = flat(batches)
+        assert len(set(items)) == len(items), f"epoch {epoch}: an item came twice: {sorted(items)}"
+        assert set(items) <= set(range(n))
+
+
+@pytest.mark.parametrize('bs', BATCH_SIZES)
+@pytest.mark.parametrize('n', SIZES)
+def test_train_keep_last_yields_every_item_once(files, n, bs):
+    dl = index_loader(files[:n], bs, train=True, drop_last=False, seed=100*n + bs)
+    assert len(dl) == -(-n // bs)
+    for epoch in range(3):
+        batches = epoch_items(dl)
+        assert len(batches) == len(dl), f"epoch {epoch}"
+        assert sorted(flat(batches)) == list(range(n)), f"epoch {epoch}"
+        assert all(len(b) == bs for b in batches[:-1])
+
+
+def test_batch_types_and_shapes(files):
+    x,y = index_loader(files[:5], 4, size=8).one_batch()
+    assert type(x).__name__ == 'TensorImage' and x.dtype == torch.float32 and x.shape == (4, 3, 8, 8)
+    assert type(y).__name__ == 'TensorCategory' and y.dtype == torch.long and y.shape == (4,)
+
+
+# ---------------------------------------------------------------- a whole epoch after an abandoned one
+
+def _break_after(k):
+    def abandon(dl):
+        for i,_ in enumerate(dl):
+            if i + 1 == k: break
+    return abandon
+
+def _raise_inside(dl):
+    with pytest.raises(KeyError, match='boom'):
+        for i,_ in enumerate(dl):
+            if i == 1: raise KeyError('boom')
+
+def _kept_alive(dl):
+    "Abandon an iterator but return it, for the caller to keep referenced (as a traceback or a variable would)"
+    it = iter(dl); next(it); next(it)
+    return it
+
+def _show_batch(dl):
+    dl.show_batch(max_n=2)
+    plt.close('all')
+
+ABANDON = {'one_batch': lambda dl: dl.one_batch(), 'first': lambda dl: next(iter(dl)), 'show_batch': _show_batch,
+           'break_after_1': _break_after(1), 'break_after_3': _break_after(3), 'exception': _raise_inside,
+           'kept_alive': _kept_alive}
+
+
+def _check_whole(dl, n, epochs=2):
+    for epoch in range(epochs):
+        batches = epoch_items(dl)
+        assert len(batches) == len(dl), f"epoch {epoch} after the abandoned one"
+        if dl.shuffle: assert sorted(flat(batches)) == list(range(n))
+        else: assert flat(batches) == list(range(n)), f"epoch {epoch} after the abandoned one"
+
+
+@pytest.mark.parametrize('drain_limit', [100, 0], ids=['drain', 'rebuild'])
+@pytest.mark.parametrize('abandon', list(ABANDON))
+@pytest.mark.parametrize('train', [False, True], ids=['valid', 'train'])
+def test_whole_epoch_after_abandoned_epoch(files, train, abandon, drain_limit):
+    n = 23
+    dl = index_loader(files[:n], 2, train=train, drop_last=False, seed=3, drain_limit=drain_limit)
+    kept = []  # what an abandoning call returns stays referenced until the end
+    for repeat in range(2):
+        kept.append(ABANDON[abandon](dl))
+        builds = dl._builds  # (private) the number of DALI pipelines built so far: tells drain from rebuild
+        _check_whole(dl, n, epochs=1)
+        assert dl._builds == builds + (drain_limit == 0), "drain_limit chooses drain (no new pipeline) or rebuild"
+    _check_whole(dl, n)
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="every generator of a DaliDataLoader shares one DALI iterator and one _done/_taken state: "
+                          "a one_batch() inside a running epoch drains (or replaces) the outer epoch's iterator")
+@pytest.mark.parametrize('drain_limit', [100, 0], ids=['drain', 'rebuild'])
+def test_one_batch_inside_an_epoch(files, drain_limit):
+    "A callback may call `one_batch()` (or `show_batch()`) while an epoch of the same loader is running"
+    dl = index_loader(files[:12], 2, drain_limit=drain_limit)
+    outer = []
+    for i,(_,y) in enumerate(dl):
+        outer.append(y.tolist())
+        if i == 1: assert dl.one_batch()[1].tolist() == [0, 1]
+    assert flat(outer) == list(range(12)), "the running epoch is not disturbed"
+    assert flat(epoch_items(dl)) == list(range(12)), "the next epoch is whole"
+
+
+@pytest.mark.parametrize('drain_limit', [100, 0], ids=['drain', 'rebuild'])
+def test_abandoned_train_drop_last(files, drain_limit):
+    dl = index_loader(files[:21], 4, train=True, seed=5, drain_limit=drain_limit)
+    for k in (1, 2, 4):
+        _break_after(k)(dl)
+        batches = epoch_items(dl)
+        assert [len(b) for b in batches] == [4]*5
+        assert len(set(flat(batches))) == 20
+
+
+# ---------------------------------------------------------------- inside a Learner
+
+class Items(Callback):
+    "Record the items each training and validation phase sees"
+    order = -5
+    def before_fit(self): self.train_items,self.valid_items = [],[]
+    def before_train(self): self.train_items.append([])
+    def before_validate(self): self.valid_items.append([])
+    def before_batch(self): (self.train_items if self.training else self.valid_items)[-1].extend(self.y.tolist())
+
+
+class Raise(Callback):
+    "Raise `exc` in the `n`-th batch (1-based) of the first training (or validation) phase"
+    order = 10
+    def __init__(self, exc, n=2, in_train=True): self.exc,self.n,self.in_train,self.done = exc,n,in_train,False
+    def after_batch(self):
+        if self.done or self.training != self.in_train or self.iter + 1 != self.n: return
+        self.done = True
+        raise self.exc('raised by a test callback')
+
+
+N_TRAIN,N_VALID,BS = 40,13,4  # 10 train batches, 4 valid batches
+
+
+def _learner(files, drain_limit, tmp_path):
+    train = DaliDataLoader(index_items(files[:N_TRAIN]), bs=BS, size=8, train=True, device='cpu', seed=0,
+                           drain_limit=drain_limit)
+    valid = DaliDataLoader(index_items(files[N_TRAIN:N_TRAIN + N_VALID]), bs=BS, size=8, device='cpu',
+                           drain_limit=drain_limit)
+    dls = DaliDataLoaders(train, valid, path=tmp_path, device='cpu')
+    return Learner(dls, tiny_model(MAX_INDEX), loss_func=CrossEntropyLossFlat(), path=tmp_path, cbs=Items())
+
+
+VALID_ITEMS = list(range(N_TRAIN, N_TRAIN + N_VALID))
+
+def _assert_whole_train(items, where):
+    assert len(items) == N_TRAIN and sorted(items) == list(range(N_TRAIN)), f"{where}: {sorted(items)}"
+
+
+ABANDON_IN_FIT = {
+    'cancel_train': (CancelTrainException, True), 'cancel_epoch': (CancelEpochException, True),
+    'cancel_fit': (CancelFitException, True), 'cancel_valid': (CancelValidException, False),
+    'cancel_fit_in_valid': (CancelFitException, False), 'error': (RuntimeError, True),
+}
+
+
+@pytest.mark.parametrize('drain_limit', [100, 0], ids=['drain', 'rebuild'])
+@pytest.mark.parametrize('kind', list(ABANDON_IN_FIT))
+def test_learner_epoch_after_callback_cancel(files, tmp_path, kind, drain_limit):
+    exc,in_train = ABANDON_IN_FIT[kind]
+    learn = _learner(files, drain_limit, tmp_path)
+    items = learn.cbs.filter(lambda cb: isinstance(cb, Items))[0]
+    stop = Raise(exc, n=2, in_train=in_train)
+    if exc is RuntimeError:
+        with pytest.raises(RuntimeError, match='raised by a test callback'): learn.fit(2, cbs=stop)
+    else: learn.fit(2, cbs=stop)
+    if kind in ('cancel_train', 'cancel_epoch', 'cancel_valid'):  # the fit went on: its second epoch is whole
+        assert len(items.train_items) == 2
+        assert len(items.train_items[0]) == (2*BS if in_train else N_TRAIN)
+        _assert_whole_train(items.train_items[1], 'the epoch after the cancelled one')
+        assert items.valid_items[-1] == VALID_ITEMS
+    learn.fit(1)
+    _assert_whole_train(items.train_items[0], 'the fit after')
+    assert items.valid_items == [VALID_ITEMS]
+    learn.fit(1, cbs=Raise(CancelFitException, n=3, in_train=True))
+    assert learn.validate() is not None
+    assert items.valid_items[-1] == VALID_ITEMS, "validate() after a cancelled fit sees every valid item once, in order"
+
+
+@pytest.mark.parametrize('drain_limit', [100, 0], ids=['drain', 'rebuild'])
+def test_learner_fit_after_lr_find(files, tmp_path, drain_limit):
+    learn = _learner(files, drain_limit, tmp_path)
+    items = learn.cbs.filter(lambda cb: isinstance(cb, Items))[0]
+    builds = learn.dls.train._builds
+    learn.lr_find(num_it=6, stop_div=False, show_plot=False)  # stops after 6 of the 10 batches
+    assert len(items.train_items[0]) == 6*BS
+    learn.fit(2)
+    assert len(items.train_items) == 2
+    for i,t in enumerate(items.train_items): _assert_whole_train(t, f'fit epoch {i} after lr_find')
+    assert items.valid_items == [VALID_ITEMS]*2
+    assert learn.dls.train._builds == builds + 1 + (drain_limit == 0)
+
+
+def _threads():
+    with open('/proc/self/status') as f: return int(next(l for l in f if l.startswith('Threads:')).split()[1])
+
+
+@pytest.mark.skipif(not os.path.exists('/proc/self/status'), reason='reads /proc (Linux)')
+def test_rebuilds_free_their_pipelines(files):
+    "Every rebuild drops a DALI pipeline and its worker threads: 30 abandoned epochs leave no threads behind"
+    dl = index_loader(files[:40], 2, train=True, seed=0, drain_limit=0)
+    _break_after(1)(dl)
+    _break_after(1)(dl)
+    before = _threads()
+    for _ in range(30): _break_after(1)(dl)
+    assert _threads() <= before + 2, f"{_threads() - before} more threads after 30 rebuilds"
+    assert sorted(flat(epoch_items(dl))) == list(range(40))
+
+
+# ---------------------------------------------------------------- new, to, pickle
+
+def test_new_unshuffled_keeps_every_item_in_order(files):
+    dl = index_loader(files[:11], 4, train=True, seed=0)
+    dl2 = dl.new(shuffle=False, drop_last=False)
+    assert (dl2.shuffle, dl2.drop_last, dl2.train, dl2.bs, dl2.size) == (False, False, True, 4, 8)
+    assert (dl.shuffle, dl.drop_last) == (True, True), "new() leaves the original alone"
+    assert len(dl2) == 3
+    for _ in range(2): assert flat(epoch_items(dl2)) == list(range(11))
+    assert len(epoch_items(dl)) == 2
+
+
+def test_to_cpu(files):
+    dl = index_loader(files[:9], 4)
+    it = iter(dl); next(it)
+    assert dl.to('cpu') is dl and dl.to(torch.device('cpu')) is dl
+    assert dl.device == torch.device('cpu')
+    assert flat(epoch_items(dl)) == list(range(9))
+    x,y = dl.one_batch()
+    assert x.device.type == 'cpu' and y.device.type == 'cpu'
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason='checks the error for a GPU that is not there')
+def test_to_missing_gpu_says_what_to_do(files):
+    dl = index_loader(files[:9], 4)
+    with pytest.raises(RuntimeError, match="device='cpu'"): dl.to('cuda')
+    assert dl.device == torch.device('cpu')
+    assert flat(epoch_items(dl)) == list(range(9)), "a failed move leaves the loader working"
+
+
+@pytest.mark.parametrize('train', [False, True], ids=['valid', 'train'])
+def test_pickle_mid_epoch(files, train):
+    dl = index_loader(files[:13], 4, train=train, drop_last=False, seed=2)
+    it = iter(dl)
+    x,y = next(it)
+    copy = pickle.loads(pickle.dumps(dl))
+    assert sorted(flat(epoch_items(copy))) == list(range(13)), "the copy starts a whole epoch"
+    assert sorted(flat(epoch_items(copy))) == list(range(13))
+    rest = [y.tolist() for _,y in it]
+    assert sorted(y.tolist() + flat(rest)) == list(range(13)), "pickling does not disturb the epoch in progress"
+    assert sorted(flat(epoch_items(dl))) == list(range(13))
+    if train: np.testing.assert_array_equal(copy.aug['warps'], dl.aug['warps'])
+
+
+def test_pickle_dataloaders_mid_epoch(files):
+    dls = DaliDataLoaders.from_splits('.', files[:20], [str(i % 3) for i in range(20)], files[20:27],
+                                      [str(i % 3) for i in range(7)], bs=4, size=8, device='cpu', seed=0)
+    next(iter(dls.train)); next(iter(dls.valid))
+    dls2 = pickle.loads(pickle.dumps(dls))
+    assert [len(b[0]) for b in dls2.train] == [4]*5
+    assert [len(b[0]) for b in dls2.valid] == [4, 3]
+    assert dls2.vocab == ['0', '1', '2']
+
+
+# ---------------------------------------------------------------- bad input
+
+def test_bad_bs_and_size(files):
+    items = index_items(files[:5])
+    for bs in (0, -1):
+        with pytest.raises(ValueError, match='bs must be at least 1'): DaliDataLoader(items, bs=bs, device='cpu')
+    for size in (0, -4):
+        with pytest.raises(ValueError, match='size must be a positive'):
+            DaliDataLoader(items, bs=2, size=size, device='cpu')
+    with pytest.raises(ValueError, match='bs must be at least 1'):
+        DaliDataLoaders.from_splits('.', files[:4], [0, 1, 0, 1], files[4:6], [0, 1], bs=0, size=8, device='cpu')
+    with pytest.raises(ValueError, match='size must be a positive'):
+        DaliDataLoaders.from_splits('.', files[:4], [0, 1, 0, 1], files[4:6], [0, 1], bs=2, size=0, device='cpu')
+
+
+def test_labels_files_mismatch(files):
+    with pytest.raises(ValueError, match='3 files but 2 labels'): ImageItems(files[:3], [0, 1], ['a', 'b'])
+    with pytest.raises(ValueError, match='3 files but 2 labels'):
+        DaliDataLoaders.from_lists('.', files[:3], ['a', 'b'], device='cpu')
+    with pytest.raises(ValueError, match='4 training files but 3 labels'):
+        DaliDataLoaders.from_splits('.', files[:4], ['a', 'b', 'a'], files[4:6], ['a', 'b'], device='cpu')
+    with pytest.raises(ValueError, match='2 validation files but 1 labels'):
+        DaliDataLoaders.from_splits('.', files[:4], ['a', 'b', 'a', 'b'], files[4:6], ['a'], device='cpu')
+
+
+def _jpeg(path):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(np.full((10, 10, 3), 100, dtype=np.uint8)).save(path)
+
+
+def test_valid_class_unseen_in_train_is_named(tmp_path):
+    for split,cls,n in [('train', 'cat', 3), ('train', 'dog', 3), ('valid', 'cat', 1), ('valid', 'axolotl', 1)]:
+        for i in range(n): _jpeg(tmp_path/split/cls/f'{i}.jpg')
+    with pytest.raises(ValueError, match=r"validation set has labels not seen in the training set: \['axolotl'\]"):
+        DaliDataLoaders.from_folder(tmp_path, bs=2, size=8, device='cpu')
+
+
+def test_empty_and_missing_folders(tmp_path):
+    with pytest.raises(FileNotFoundError, match='does not exist'):
+        DaliDataLoaders.from_folder(tmp_path/'nope', device='cpu')
+    (tmp_path/'empty').mkdir()
+    with pytest.raises(ValueError, match='no images in'): DaliDataLoaders.from_folder(tmp_path/'empty', device='cpu')
+    with pytest.raises(ValueError, match='no images in'):
+        DaliDataLoaders.from_folder(tmp_path/'empty', valid_pct=0.2, device='cpu')
+    for i in range(3): _jpeg(tmp_path/'only_train'/'train'/'cat'/f'{i}.jpg')
+    (tmp_path/'only_train'/'valid').mkdir()
+    with pytest.raises(ValueError, match=r"no images in .*valid"):
+        DaliDataLoaders.from_folder(tmp_path/'only_train', device='cpu')
+    with pytest.raises(ValueError, match='no images in'): DaliDataLoaders.from_lists('.', [], [], device='cpu')
+
+
+def test_one_batch_of_an_empty_epoch_says_why(files):
+    dl = index_loader(files[:3], 4, train=True)
+    assert len(dl) == 0 and list(dl) == []
+    with pytest.raises(ValueError, match='yields no batch: 3 items with bs=4 and drop_last=True'): dl.one_batch()
+
+
+@pytest.mark.xfail(strict=True, raises=ValueError,
+                   reason="DaliDataLoader._pipeline evaluates `self.items.labels or [0]*len(...)`: the truth value of "
+                          "a numpy array (or tensor) of labels raises")
+def test_numpy_labels(files):
+    items = ImageItems(files[:5], np.arange(5), [str(i) for i in range(5)])
+    assert flat(epoch_items(DaliDataLoader(items, bs=2, size=8, device='cpu'))) == list(range(5))
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="DaliDataLoaders.from_splits passes only num_threads, prefetch, mean, std, dtype and "
+                          "crop_pct to the valid loader: drain_limit is silently dropped")
+def test_drain_limit_reaches_the_valid_loader(files):
+    "`from_splits` documents **kwargs as `DaliDataLoader` options: drain_limit is one, but only train gets it"
+    dls = DaliDataLoaders.from_splits('.', files[:8], [0, 1]*4, files[8:10], [0, 1], bs=2, size=8, device='cpu',
+                                      drain_limit=0)
+    assert dls.train.drain_limit == 0
+    assert dls.valid.drain_limit == 0
+
+
+# ---------------------------------------------------------------- seeds and shuffling
+
+@pytest.fixture(scope='module')
+def fmnist_files():
+    files,labels = fmnist_subset(4)
+    return files,[sorted(set(labels)).index(l) for l in labels],sorted(set(labels))
+
+
+def _fm_loader(fmnist_files, seed, **kw):
+    files,labels,vocab = fmnist_files
+    return DaliDataLoader(ImageItems(files, labels, vocab), bs=8, size=16, train=True, device='cpu', seed=seed,
+                          p_rotate=0.5, p_warp=0.3, max_lighting=0.2, **kw)
+
+
+def _epochs(dl, n=2): return [b for _ in range(n) for b in dl]
+
+
+def test_same_seed_same_batches_other_seed_other_batches(fmnist_files):
+    a,b,c = [_epochs(_fm_loader(fmnist_files, seed)) for seed in (7, 7, 8)]
+    assert len(a) == len(b) == len(c) == 2*5
+    for (xa,ya),(xb,yb) in zip(a, b):
+        assert torch.equal(ya, yb) and torch.equal(xa, xb), "same seed, same batches (CPU backend)"
+    assert not all(torch.equal(ya, yc) for (_,ya),(_,yc) in zip(a, c)), "another seed, another order"
+    assert not any(torch.equal(xa, xc) for (xa,_),(xc,_) in zip(a, c)), "another seed, other augmentations"
+
+
+def test_same_seed_same_augmentation_in_order(fmnist_files):
+    "With the order fixed, the seed alone decides the augmentation"
+    a,b,c = [_epochs(_fm_loader(fmnist_files, seed, shuffle=False), 1) for seed in (3, 3, 4)]
+    for (xa,ya),(xb,yb),(xc,yc) in zip(a, b, c):
+        assert torch.equal(ya, yb) and torch.equal(ya, yc)
+        assert torch.equal(xa, xb)
+        assert not torch.equal(xa, xc)
+
+
+def test_shuffle_differs_across_epochs(files):
+    dl = index_loader(files[:30], 30, train=True, seed=0)
+    orders = [flat(epoch_items(dl)) for _ in range(4)]
+    for o in orders: assert sorted(o) == list(range(30))
+    assert len({tuple(o) for o in orders}) == 4, "every epoch a new order"
+    assert orders[0] != list(range(30)), "the first epoch is shuffled too"
+    fresh = index_loader(files[:30], 30, train=True, seed=0)
+    assert flat(epoch_items(fresh)) == orders[0], "seeded: a fresh loader replays the first epoch"
+
+
+def test_rebuilt_loader_does_not_replay_first_epoch(files):
+    dl = index_loader(files[:30], 5, train=True, seed=0, drain_limit=0)
+    first_epoch = flat(epoch_items(dl))
+    _break_after(1)(dl)
+    after = flat(epoch_items(dl))
+    assert sorted(after) == sorted(first_epoch)
+    assert after != first_epoch
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="DaliDataLoader._pipeline builds valid_pipeline (always in order) for every train=False "
+                          "loader: shuffle=True is accepted and silently ignored")
+def test_shuffle_honoured_by_a_valid_style_loader(files):
+    "fastai's `Learner.show_results` asks for `dls.valid.new(shuffle=True)`: a random batch, not always the first"
+    dl = index_loader(files[:30], 30, shuffle=True, seed=0)
+    assert dl.shuffle and not dl.train
+    orders = [flat(epoch_items(dl)) for _ in range(3)]
+    for o in orders: assert sorted(o) == list(range(30))
+    assert len({tuple(o) for o in orders}) > 1, f"shuffle=True, but every epoch is {orders[0]}"
+
+
+def test_valid_order_is_fixed(files):
+    dl = index_loader(files[:10], 3, seed=0)
+    assert [flat(epoch_items(dl)) for _ in range(3)] == [list(range(10))]*3
