@@ -8,7 +8,7 @@ Docs: https://dali-fastai.github.io/dali_fastai/loader.html.md"""
 __all__ = ['AUG_OPTIONS', 'n_batches', 'as_device', 'dali_device_id', 'DaliNormalize', 'ImageItems', 'DaliDataLoader',
            'DaliDataLoaders']
 
-# %% ../nbs/03_loader.ipynb #6a05b934
+# %% ../nbs/03_loader.ipynb #fc2d5fbb
 import inspect
 from pathlib import Path
 import numpy as np
@@ -27,7 +27,7 @@ from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 from .augment import synthetic_warps
 from .pipeline import train_pipeline, valid_pipeline, augment, IMAGENET_MEAN, IMAGENET_STD
 
-# %% ../nbs/03_loader.ipynb #86a530a3
+# %% ../nbs/03_loader.ipynb #fef389ad
 def n_batches(n_items:int, # items in one epoch (one shard)
               bs:int, # batch size
               drop_last:bool=False, # drop the last partial batch
@@ -36,7 +36,7 @@ def n_batches(n_items:int, # items in one epoch (one shard)
     if bs < 1: raise ValueError(f"bs must be at least 1, got {bs}")
     return n_items // bs if drop_last else -(-n_items // bs)
 
-# %% ../nbs/03_loader.ipynb #749e4211
+# %% ../nbs/03_loader.ipynb #abb1d5e0
 def as_device(device:str|torch.device|None=None, # 'cpu', 'gpu', 'cuda', 'cuda:1', a `torch.device`, or None
              )->torch.device: # the torch device batches land on
     "The device to decode on: the GPU when one is visible, unless told otherwise"
@@ -54,14 +54,14 @@ def dali_device_id(device:torch.device)->int|None:
     "DALI's `device_id`: the GPU's index, or None for DALI's CPU backend"
     return device.index if device.type == 'cuda' else None
 
-# %% ../nbs/03_loader.ipynb #4f016509
+# %% ../nbs/03_loader.ipynb #44d16f92
 class DaliNormalize(Normalize):
     "A `Normalize` whose work DALI has already done: `encodes` passes batches through, `decodes` denormalizes to 0..1"
     def encodes(self, x:TensorImage): return x
     def decodes(self, x:TensorImage):
         return TensorImage((x.float() * self.std.to(x.device) + self.mean.to(x.device)).clamp(0, 1))
 
-# %% ../nbs/03_loader.ipynb #4c62693c
+# %% ../nbs/03_loader.ipynb #469d7c9a
 class ImageItems:
     "The labelled files a loader reads, and how to decode a label back to its class name"
     def __init__(self, files:list, # image paths
@@ -70,7 +70,8 @@ class ImageItems:
                 ):
         if labels is not None and len(labels) != len(files):
             raise ValueError(f"got {len(files)} files but {len(labels)} labels: give one label per file")
-        self.files,self.labels = [Path(f) for f in files],labels
+        self.files = [Path(f) for f in files]
+        self.labels = None if labels is None else [int(l) for l in labels]
         self.categorize = Categorize(vocab=list(vocab), sort=False)
     @property
     def vocab(self): return self.categorize.vocab
@@ -79,11 +80,12 @@ class ImageItems:
     @property
     def loss_func(self): return self.categorize.loss_func
     def __len__(self): return len(self.files)
+    def __iter__(self): return (self[i] for i in range(len(self)))
     def __getitem__(self, i): return (self.files[i],) if self.labels is None else (self.files[i], self.vocab[self.labels[i]])
     def __repr__(self): return f"{type(self).__name__}({len(self)} files, {self.c} classes)"
     def decode_label(self, y): return self.categorize.decode(y)
 
-# %% ../nbs/03_loader.ipynb #a68d0ebc
+# %% ../nbs/03_loader.ipynb #fff526c4
 _ARGS = 'items,bs,size,train,shuffle,drop_last,device,seed,num_threads,prefetch,mean,std,dtype,crop_pct,drain_limit'
 AUG_OPTIONS = {'area', 'ratio', 'n_warps'} | set(inspect.signature(augment).parameters) - {'images', 'size'}
 
@@ -120,7 +122,7 @@ class DaliDataLoader:
         store_attr('items,bs,size,train,shuffle,drop_last,seed,num_threads,prefetch,mean,std,dtype,crop_pct,drain_limit,aug')
         self.device = as_device(device)
         self.after_batch = Pipeline([DaliNormalize.from_stats(mean, std, cuda=False)])
-        self._it,self._builds,self._done,self._taken = None,0,True,0
+        self._it,self._builds,self._epoch,self._peeks,self._done,self._taken = None,0,0,0,True,0
 
     def __len__(self): return n_batches(len(self.items), self.bs, self.drop_last)
     def __repr__(self):
@@ -129,6 +131,8 @@ class DaliDataLoader:
     @property
     def dataset(self): return self.items
     @property
+    def n(self): return len(self.items)
+    @property
     def vocab(self): return self.items.vocab
     @property
     def c(self): return self.items.c
@@ -136,15 +140,20 @@ class DaliDataLoader:
     def n_inp(self): return 1
 
     def _pipeline(self, seed):
-        labels = self.items.labels or [0]*len(self.items)
-        kw = dict(bs=self.bs, size=self.size, device_id=dali_device_id(self.device), num_threads=self.num_threads,
-                  prefetch=self.prefetch, mean=self.mean, std=self.std, dtype=self.dtype)
-        if self.train: return train_pipeline(self.items.files, labels, shuffle=self.shuffle, seed=seed, **kw, **self.aug)
+        labels = [0]*len(self.items) if self.items.labels is None else self.items.labels
+        kw = dict(bs=self.bs, size=self.size, device_id=dali_device_id(self.device), shuffle=self.shuffle, seed=seed,
+                  num_threads=self.num_threads, prefetch=self.prefetch, mean=self.mean, std=self.std, dtype=self.dtype)
+        if self.train: return train_pipeline(self.items.files, labels, **kw, **self.aug)
         return valid_pipeline(self.items.files, labels, crop_pct=self.crop_pct, **kw)
+
+    def _seed(self, *extra):
+        "A seed of its own for each pipeline this loader builds, derived from `seed`"
+        if self.seed is None: return None
+        return int(np.random.SeedSequence([self.seed, *extra]).generate_state(1)[0])
 
     def _build(self):
         "A new DALI iterator, with its own seed so a rebuilt loader does not replay the first epoch"
-        seed = None if self.seed is None else int(np.random.SeedSequence([self.seed, self._builds]).generate_state(1)[0])
+        seed = self._seed(self._builds)
         self._builds += 1
         policy = LastBatchPolicy.DROP if self.drop_last else LastBatchPolicy.PARTIAL
         return DALIGenericIterator([self._pipeline(seed)], ['images', 'labels'], reader_name='Reader',
@@ -155,7 +164,10 @@ class DaliDataLoader:
         self._it,self._done,self._taken = None,True,0
 
     def _drain(self):
-        for _ in self._it: pass
+        "Read what is left of DALI's epoch (`next()`, not `for`: DALI's `iter()` would try a mid-epoch reset)"
+        try:
+            while True: next(self._it)
+        except StopIteration: pass
 
     def reset(self):
         "Make the next `iter()` start a whole epoch, whatever happened to the last one"
@@ -167,8 +179,15 @@ class DaliDataLoader:
     def __iter__(self):
         self.reset()
         if self._it is None: self._it = self._build()
+        self._epoch += 1
+        epoch,it = self._epoch,self._it
         self._done,self._taken = False,0
-        for data in self._it:
+        while True:
+            if epoch != self._epoch:
+                raise RuntimeError("another iter() of this loader started a new epoch while this one was running: a "
+                                   "DaliDataLoader runs one epoch at a time; use dl.new() for a second, independent loader")
+            try: data = next(it)
+            except StopIteration: break
             self._taken += 1
             yield self.after_batch(self._to_batch(data[0]))
         self._done = True
@@ -179,12 +198,18 @@ class DaliDataLoader:
         return (x, TensorCategory(d['labels'].squeeze(-1).long()))
 
     def one_batch(self):
-        "The first batch of a (fresh) epoch"
+        "A batch from a short-lived copy of this loader, so a running or later epoch is not disturbed"
         if len(self) == 0: raise ValueError(f"this loader yields no batch: {len(self.items)} items with bs={self.bs}"
                                             + (" and drop_last=True" if self.drop_last else ""))
-        return first(self)
+        self._peeks += 1
+        peek = self.new(seed=self._seed(1 << 30, self._peeks))
+        try: return first(peek)
+        finally: peek.close()
 
-    def decode(self, b): return self.after_batch.decode(b)
+    def decode(self, b):
+        "Denormalize `b`'s images, first restoring the batch types a `Learner`'s `CastToTensor` strips"
+        b = (TensorImage(b[0]), *[TensorCategory(y) for y in b[1:]])
+        return self.after_batch.decode(b)
 
     def decode_batch(self, b, max_n:int=9, full:bool=True):
         "Decode `b` to a list of samples: denormalized images and class names"
@@ -247,7 +272,7 @@ class DaliDataLoader:
         "Pickle the settings, never the DALI pipeline (it cannot be pickled): it is rebuilt on the next `iter()`"
         return {**self.__dict__, '_it': None, '_done': True, '_taken': 0}
 
-# %% ../nbs/03_loader.ipynb #9b272a51
+# %% ../nbs/03_loader.ipynb #9ef21ff2
 def _label_ids(labels, vocab, where):
     idx = {v: i for i,v in enumerate(vocab)}
     missing = sorted({str(l) for l in labels if l not in idx})
@@ -259,7 +284,7 @@ def _check_files(files, where):
     if len(files) == 0:
         raise ValueError(f"no images in {where}: check the path and folder names (fastai's get_image_files finds the images)")
 
-# %% ../nbs/03_loader.ipynb #dc53cb83
+# %% ../nbs/03_loader.ipynb #7fd56ce5
 class DaliDataLoaders(DataLoaders):
     "fastai `DataLoaders` over DALI pipelines (a train and a valid `DaliDataLoader`), built like `ImageDataLoaders`"
     @classmethod
@@ -281,7 +306,7 @@ class DaliDataLoaders(DataLoaders):
         if len(train_files) != len(train_labels): raise ValueError(f"{len(train_files)} training files but {len(train_labels)} labels")
         if len(valid_files) != len(valid_labels): raise ValueError(f"{len(valid_files)} validation files but {len(valid_labels)} labels")
         vocab = list(vocab) if vocab is not None else sorted(set(train_labels), key=str)
-        valid_kw = {k: v for k,v in kwargs.items() if k in ('num_threads', 'prefetch', 'mean', 'std', 'dtype', 'crop_pct')}
+        valid_kw = {k: v for k,v in kwargs.items() if k in ('num_threads', 'prefetch', 'mean', 'std', 'dtype', 'crop_pct', 'drain_limit')}
         train = DaliDataLoader(ImageItems(train_files, _label_ids(train_labels, vocab, 'the training set'), vocab),
                                bs=bs, size=size, train=True, device=device, seed=seed, **kwargs)
         valid = DaliDataLoader(ImageItems(valid_files, _label_ids(valid_labels, vocab, 'the validation set'), vocab),
@@ -381,16 +406,20 @@ class DaliDataLoaders(DataLoaders):
         df = pd.read_csv(Path(path)/csv_fname, header=header, delimiter=delimiter)
         return cls.from_df(df, path, **kwargs)
 
-    def test_dl(self, test_items:list, # image paths
+    def test_dl(self, test_items:list, # image paths, or `(path, class name)` pairs as `dl.items` holds them
                 rm_type_tfms=None, # fastai's predict passes None; anything else is not supported
-                with_labels:bool=False, # label files by their parent folder, like `from_folder`
+                with_labels:bool=False, # labelled batches: the pairs' class names, else each file's parent folder
                 num_workers:int|None=None, # unused: DALI decodes with threads (`num_threads`); fastai's predict passes 0
+                process:bool|None=None, # unused: fastai's `Interpretation` passes it; DALI processes every item
                 **kwargs, # changed `DaliDataLoader` settings, e.g. `bs`
                )->DaliDataLoader: # an in-order, validation-style loader
         "A loader over `test_items` that decodes the way the validation loader does"
         if rm_type_tfms is not None: raise ValueError("rm_type_tfms is not supported by DaliDataLoaders")
-        files = [self._as_path(o) for o in test_items]
-        labels = _label_ids([parent_label(f) for f in files], self.vocab, 'test_items') if with_labels else None
+        files = [self._as_path(o[0] if isinstance(o, tuple) else o) for o in test_items]
+        labels = None
+        if with_labels:
+            names = [o[1] if isinstance(o, tuple) else parent_label(f) for o,f in zip(test_items, files)]
+            labels = _label_ids(names, self.vocab, 'test_items')
         return self.valid.new(items=ImageItems(files, labels, self.vocab), shuffle=False, drop_last=False, **kwargs)
 
     @staticmethod

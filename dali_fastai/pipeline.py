@@ -9,7 +9,7 @@ __all__ = ['IMAGENET_MEAN', 'IMAGENET_STD', 'read_files', 'shuffled', 'decoder_d
            'decode_center_crop', 'augment', 'normalize', 'default_threads', 'new_pipeline', 'on_device',
            'train_pipeline', 'valid_pipeline']
 
-# %% ../nbs/02_pipeline.ipynb #3cc3dc71
+# %% ../nbs/02_pipeline.ipynb #192a25fc
 import os
 import numpy as np
 from nvidia.dali import fn, types
@@ -17,7 +17,7 @@ from nvidia.dali.pipeline import Pipeline
 from nvidia.dali.data_node import DataNode
 from .augment import affine_steps, combine_steps, warp, lighting, synthetic_warps
 
-# %% ../nbs/02_pipeline.ipynb #17773bb0
+# %% ../nbs/02_pipeline.ipynb #202509aa
 def read_files(files:list, # image paths
                labels:list, # integer class of each file, `0 .. c-1`
                shuffle:bool=False, # a new order of the whole dataset every epoch
@@ -29,7 +29,7 @@ def read_files(files:list, # image paths
     return fn.readers.file(files=[str(f) for f in files], labels=[int(l) for l in labels], name=name,
                            shuffle_after_epoch=shuffle, pad_last_batch=True, shard_id=shard_id, num_shards=num_shards)
 
-# %% ../nbs/02_pipeline.ipynb #8e7af036
+# %% ../nbs/02_pipeline.ipynb #bc7bc253
 def shuffled(files:list, # image paths
              labels:list, # their labels
              seed:int|None=None, # None: a fresh order
@@ -38,7 +38,7 @@ def shuffled(files:list, # image paths
     idx = np.random.default_rng(seed).permutation(len(files))
     return [files[i] for i in idx],[labels[i] for i in idx]
 
-# %% ../nbs/02_pipeline.ipynb #567cca41
+# %% ../nbs/02_pipeline.ipynb #93eea214
 def decoder_device(device_id:int|None)->str:
     "`'mixed'` (GPU decode) when there is a device, `'cpu'` otherwise"
     return 'cpu' if device_id is None else 'mixed'
@@ -65,7 +65,7 @@ def decode_center_crop(encoded:DataNode, # encoded images
     images = fn.resize(images, resize_shorter=round(size/crop_pct))
     return fn.crop(images, crop=(size, size), crop_pos_x=0.5, crop_pos_y=0.5)
 
-# %% ../nbs/02_pipeline.ipynb #1562129c
+# %% ../nbs/02_pipeline.ipynb #59dfc745
 def augment(images:DataNode, # `size`×`size` images, HWC uint8
             size:int, # their side, in pixels
             p_hflip:float=0.5, # probability of a horizontal flip
@@ -96,7 +96,7 @@ def augment(images:DataNode, # `size`×`size` images, HWC uint8
     if max_lighting > 0: images = lighting(images, max_lighting, p_lighting)
     return images
 
-# %% ../nbs/02_pipeline.ipynb #138b66a3
+# %% ../nbs/02_pipeline.ipynb #39492bdd
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 _DTYPES = {'float32': types.FLOAT, 'float16': types.FLOAT16}
@@ -111,7 +111,7 @@ def normalize(images:DataNode, # RGB images, HWC uint8
     return fn.crop_mirror_normalize(images, dtype=_DTYPES[dtype], output_layout='CHW',
                                     mean=[255*m for m in mean], std=[255*s for s in std])
 
-# %% ../nbs/02_pipeline.ipynb #c27c014e
+# %% ../nbs/02_pipeline.ipynb #baee126d
 def default_threads()->int:
     "CPU threads for a pipeline: the cores this process may use, at most 8"
     return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1))
@@ -127,12 +127,12 @@ def new_pipeline(bs:int, # batch size
     return Pipeline(batch_size=bs, num_threads=num_threads or default_threads(), device_id=device_id,
                     seed=seed, prefetch_queue_depth=prefetch)
 
-# %% ../nbs/02_pipeline.ipynb #0575f150
+# %% ../nbs/02_pipeline.ipynb #8ec14a9f
 def on_device(x:DataNode, device_id:int|None)->DataNode:
     "`x` moved to the GPU when the pipeline has one"
     return x if device_id is None else x.gpu()
 
-# %% ../nbs/02_pipeline.ipynb #7f6431b9
+# %% ../nbs/02_pipeline.ipynb #1d004823
 def train_pipeline(files:list, # image paths
                    labels:list, # integer class of each file
                    bs:int, # batch size
@@ -162,13 +162,15 @@ def train_pipeline(files:list, # image paths
         pipe.set_outputs(normalize(images, mean, std, dtype), on_device(lbls, device_id))
     return pipe
 
-# %% ../nbs/02_pipeline.ipynb #417d8b3b
+# %% ../nbs/02_pipeline.ipynb #b4e82106
 def valid_pipeline(files:list, # image paths
                    labels:list, # integer class of each file
                    bs:int, # batch size
                    size:int=224, # output side, in pixels
                    device_id:int|None=None, # GPU id, or None for the CPU backend
                    crop_pct:float=0.875, # centre crop's share of the resized shorter side
+                   shuffle:bool=False, # a new order every epoch (e.g. to show random validation batches)
+                   seed:int|None=None, # seed for the order; None: random
                    num_threads:int|None=None, # CPU threads; None: `default_threads()`
                    prefetch:int=2, # batches prepared ahead
                    mean:tuple=IMAGENET_MEAN, # normalization mean
@@ -177,11 +179,12 @@ def valid_pipeline(files:list, # image paths
                    shard_id:int=0, # this process's shard
                    num_shards:int=1, # number of shards
                   )->Pipeline: # outputs `images` (N,3,size,size) and `labels` (N,1) int32
-    "The validation pipeline: reader in order → decode → resize shorter side → centre crop → `normalize`"
+    "The validation pipeline: reader (in order by default) → decode → resize shorter side → centre crop → `normalize`"
     if size < 1: raise ValueError(f"size must be a positive number of pixels, got {size}")
-    pipe = new_pipeline(bs, device_id, num_threads, None, prefetch)
+    if shuffle: files,labels = shuffled(files, labels, seed)
+    pipe = new_pipeline(bs, device_id, num_threads, seed, prefetch)
     with pipe:
-        encoded,lbls = read_files(files, labels, shuffle=False, shard_id=shard_id, num_shards=num_shards)
+        encoded,lbls = read_files(files, labels, shuffle=shuffle, shard_id=shard_id, num_shards=num_shards)
         images = decode_center_crop(encoded, size, device_id, crop_pct)
         pipe.set_outputs(normalize(images, mean, std, dtype), on_device(lbls, device_id))
     return pipe

@@ -136,9 +136,6 @@ def test_summary(small_learner):
     assert counter(small_learner).n_train == [len(small_learner.dls.train)], "summary's one_batch leaves no trace"
 
 
-@pytest.mark.xfail(strict=True, raises=IndexError,
-                   reason="ClassificationInterpretation indexes `dl.items` (a DaliDataLoader has none) and calls "
-                          "`dls.test_dl(items, with_labels=True, process=...)`")
 def test_plot_top_losses(small_learner):
     from fastai.interpret import ClassificationInterpretation
     with small_learner.no_bar():

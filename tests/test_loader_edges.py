@@ -128,13 +128,11 @@ def test_whole_epoch_after_abandoned_epoch(files, train, abandon, drain_limit):
         kept.append(ABANDON[abandon](dl))
         builds = dl._builds  # (private) the number of DALI pipelines built so far: tells drain from rebuild
         _check_whole(dl, n, epochs=1)
+        if abandon in ('one_batch', 'show_batch'): continue  # they read a short-lived copy: the loader is untouched
         assert dl._builds == builds + (drain_limit == 0), "drain_limit chooses drain (no new pipeline) or rebuild"
     _check_whole(dl, n)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="every generator of a DaliDataLoader shares one DALI iterator and one _done/_taken state: "
-                          "a one_batch() inside a running epoch drains (or replaces) the outer epoch's iterator")
 @pytest.mark.parametrize('drain_limit', [100, 0], ids=['drain', 'rebuild'])
 def test_one_batch_inside_an_epoch(files, drain_limit):
     "A callback may call `one_batch()` (or `show_batch()`) while an epoch of the same loader is running"
@@ -367,17 +365,11 @@ def test_one_batch_of_an_empty_epoch_says_why(files):
     with pytest.raises(ValueError, match='yields no batch: 3 items with bs=4 and drop_last=True'): dl.one_batch()
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError,
-                   reason="DaliDataLoader._pipeline evaluates `self.items.labels or [0]*len(...)`: the truth value of "
-                          "a numpy array (or tensor) of labels raises")
 def test_numpy_labels(files):
     items = ImageItems(files[:5], np.arange(5), [str(i) for i in range(5)])
     assert flat(epoch_items(DaliDataLoader(items, bs=2, size=8, device='cpu'))) == list(range(5))
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="DaliDataLoaders.from_splits passes only num_threads, prefetch, mean, std, dtype and "
-                          "crop_pct to the valid loader: drain_limit is silently dropped")
 def test_drain_limit_reaches_the_valid_loader(files):
     "`from_splits` documents **kwargs as `DaliDataLoader` options: drain_limit is one, but only train gets it"
     dls = DaliDataLoaders.from_splits('.', files[:8], [0, 1]*4, files[8:10], [0, 1], bs=2, size=8, device='cpu',
@@ -440,9 +432,6 @@ def test_rebuilt_loader_does_not_replay_first_epoch(files):
     assert after != first_epoch
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="DaliDataLoader._pipeline builds valid_pipeline (always in order) for every train=False "
-                          "loader: shuffle=True is accepted and silently ignored")
 def test_shuffle_honoured_by_a_valid_style_loader(files):
     "fastai's `Learner.show_results` asks for `dls.valid.new(shuffle=True)`: a random batch, not always the first"
     dl = index_loader(files[:30], 30, shuffle=True, seed=0)
