@@ -102,6 +102,17 @@ def test_lr_find_then_fit_one_cycle(small_learner):
     assert c.targets == [dls.valid_ds.labels]
 
 
+def test_fine_tune_after_lr_find(small_learner):
+    "The quick start's `lr_find(); fine_tune(...)`: every phase of the frozen and the unfrozen fit is whole"
+    learn,dls = small_learner,small_learner.dls
+    with learn.no_bar():
+        learn.lr_find(num_it=10)
+        learn.fine_tune(1, freeze_epochs=1)
+    c = counter(learn)
+    assert c.n_train == [len(dls.train)] and c.n_valid == [len(dls.valid)], "fine_tune's last fit (the unfrozen epoch)"
+    assert learn.recorder.values and all(math.isfinite(v) for v in learn.recorder.values[-1])
+
+
 def test_validate_after_cancelled_fit(small_learner):
     learn,dls = small_learner,small_learner.dls
     with learn.no_bar(): learn.fit(1, cbs=CancelAfter(2))
