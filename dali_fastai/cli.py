@@ -7,7 +7,7 @@ Docs: https://dali-fastai.github.io/dali_fastai/cli.html.md"""
 # %% auto #0
 __all__ = ['dataloaders_for', 'arch_by_name', 'train', 'parser', 'main']
 
-# %% ../nbs/05_cli.ipynb #8ddbfc9d
+# %% ../nbs/05_cli.ipynb #50865f3a
 import argparse, sys, time
 from pathlib import Path
 import torchvision.models
@@ -19,7 +19,7 @@ from fastai.callback.progress import ProgressCallback
 from .datasets import fashion_mnist
 from .loader import DaliDataLoaders
 
-# %% ../nbs/05_cli.ipynb #2b97b9b2
+# %% ../nbs/05_cli.ipynb #f2b5b518
 def dataloaders_for(path:str|Path|None=None, # ImageNet-style folder; None: the embedded Fashion-MNIST sample
                     valid_pct:float=0.2, # used only when `path` has no `valid/` folder
                     **kwargs, # `DaliDataLoaders.from_folder` options: bs, size, device, seed, ...
@@ -33,7 +33,7 @@ def dataloaders_for(path:str|Path|None=None, # ImageNet-style folder; None: the 
     if (path/'valid').is_dir(): return DaliDataLoaders.from_folder(path, **kwargs)
     return DaliDataLoaders.from_folder(path, valid_pct=valid_pct, **kwargs)
 
-# %% ../nbs/05_cli.ipynb #28599474
+# %% ../nbs/05_cli.ipynb #f977b4e5
 def arch_by_name(name:str): # a torchvision model function, e.g. 'resnet18'
     "The torchvision model function called `name`"
     fn = getattr(torchvision.models, name, None)
@@ -56,7 +56,10 @@ def train(path:str|Path|None=None, # ImageNet-style folder; None: the embedded F
     "Train `arch` on `path` with DALI loaders and print a final metrics line"
     dls = dataloaders_for(path, bs=bs, size=size, device=device, seed=seed)
     learn = vision_learner(dls, arch_by_name(arch), metrics=accuracy, pretrained=pretrained)
-    if not (sys.stdout.isatty() if progress is None else progress): learn.remove_cb(ProgressCallback)
+    if not (sys.stdout.isatty() if progress is None else progress):
+        learn.remove_cb(ProgressCallback)
+        learn.logger = lambda log: print(' | '.join(f'{n} {v:.4f}' if isinstance(v, float) else f'{n} {v}'
+                                                    for n,v in zip(learn.recorder.metric_names, log)))
     start = time.perf_counter()
     learn.fit_one_cycle(epochs, lr)
     train_loss,valid_loss,acc = learn.recorder.values[-1]
@@ -66,7 +69,7 @@ def train(path:str|Path|None=None, # ImageNet-style folder; None: the embedded F
     if export: learn.export(Path(export).absolute())
     return learn
 
-# %% ../nbs/05_cli.ipynb #d0a2cc28
+# %% ../nbs/05_cli.ipynb #55e5b99d
 def parser()->argparse.ArgumentParser:
     "The `dali-fastai` command line"
     p = argparse.ArgumentParser(prog='dali-fastai', description="fastai training fed by NVIDIA DALI pipelines")
