@@ -6,14 +6,15 @@ Docs: https://dali-fastai.github.io/dali_fastai/augment.html.md"""
 
 # %% auto #0
 __all__ = ['warp_matrix', 'synthetic_warps', 'flip_matrix', 'rotation_matrix', 'compose_matrices', 'coin', 'maybe',
-           'random_warp_node', 'rotation_node', 'affine_steps', 'combine_steps', 'warp', 'lighting']
+           'random_warp_node', 'rotation_node', 'affine_steps', 'subset_products', 'subset_probabilities',
+           'subset_product_node', 'combine_steps', 'warp', 'lighting']
 
-# %% ../nbs/01_augment.ipynb #b02ef142
+# %% ../nbs/01_augment.ipynb #ee53299a
 import numpy as np
 from nvidia.dali import fn, types
 from nvidia.dali.data_node import DataNode
 
-# %% ../nbs/01_augment.ipynb #6356aee1
+# %% ../nbs/01_augment.ipynb #68b7e5e6
 def warp_matrix(x:float, # horizontal shift of the corners, as a fraction of `size`
                 y:float, # vertical shift of the corners, as a fraction of `size`
                 size:int, # side of the square image, in pixels
@@ -22,7 +23,7 @@ def warp_matrix(x:float, # horizontal shift of the corners, as a fraction of `si
     return np.array([[1+2*x, 2*x, -x*size],
                      [2*y, 1+2*y, -y*size]], dtype=np.float32)
 
-# %% ../nbs/01_augment.ipynb #72d0a2d5
+# %% ../nbs/01_augment.ipynb #d0c3ea83
 def synthetic_warps(n:int=7, # how many fixed warps
                     magnitude:float=0.1, # x and y are drawn from U(-magnitude, magnitude)
                     seed:int|None=None, # seed for the draw; None draws fresh ones
@@ -32,7 +33,7 @@ def synthetic_warps(n:int=7, # how many fixed warps
     if magnitude < 0: raise ValueError(f"warp magnitude must be 0 or more, got {magnitude}")
     return np.random.default_rng(seed).uniform(-magnitude, magnitude, size=(n, 2)).astype(np.float32)
 
-# %% ../nbs/01_augment.ipynb #8cf4dec2
+# %% ../nbs/01_augment.ipynb #8dfcf49c
 def flip_matrix(size:int, # side of the square image, in pixels
                 horizontal:bool=True, # mirror left-right
                 vertical:bool=False, # mirror top-bottom
@@ -42,7 +43,7 @@ def flip_matrix(size:int, # side of the square image, in pixels
     return np.array([[sx, 0, size if horizontal else 0],
                      [0, sy, size if vertical else 0]], dtype=np.float32)
 
-# %% ../nbs/01_augment.ipynb #a785a803
+# %% ../nbs/01_augment.ipynb #85aa50ac
 def rotation_matrix(degrees:float, # counter-clockwise as seen on screen, like `PIL.Image.rotate`
                     size:int, # side of the square image, in pixels
                    )->np.ndarray: # 2×3 destination → source map
@@ -52,7 +53,7 @@ def rotation_matrix(degrees:float, # counter-clockwise as seen on screen, like `
     return np.array([[c, -s, h - c*h + s*h],
                      [s,  c, h - s*h - c*h]], dtype=np.float32)
 
-# %% ../nbs/01_augment.ipynb #47784048
+# %% ../nbs/01_augment.ipynb #bfb27fbf
 def compose_matrices(*ms:np.ndarray, # 2×3 destination → source maps, in the order the steps apply to the image
                     )->np.ndarray: # one 2×3 destination → source map doing all steps
     "Compose destination → source maps: `compose_matrices(a, b)` warps by `a`, then by `b`"
@@ -60,7 +61,7 @@ def compose_matrices(*ms:np.ndarray, # 2×3 destination → source maps, in the 
     for m in ms: res = res @ np.vstack([m, [0, 0, 1]]).astype(np.float32)
     return res[:2]
 
-# %% ../nbs/01_augment.ipynb #0824fe19
+# %% ../nbs/01_augment.ipynb #0c267151
 _IDENTITY = np.eye(2, 3, dtype=np.float32)
 
 def coin(p:float, # probability of 1
@@ -75,7 +76,7 @@ def maybe(m:np.ndarray, # fixed 2×3 matrix
     "Per-sample choice between `m` and the identity"
     return types.Constant(_IDENTITY) + c * types.Constant((m - _IDENTITY).astype(np.float32))
 
-# %% ../nbs/01_augment.ipynb #c4643f07
+# %% ../nbs/01_augment.ipynb #3730a57a
 def random_warp_node(size:int, # side of the square image, in pixels
                      magnitude:float, # x and y are drawn from U(-magnitude, magnitude) for every sample
                      c:DataNode, # per-sample 0/1 coin: 0 gives the identity
@@ -95,7 +96,7 @@ def rotation_node(size:int, # side of the square image, in pixels
     # DALI's rotation is the forward map for a clockwise turn on screen: the same matrix is our counter-clockwise inverse map
     return fn.transforms.rotation(angle=angle, center=[size/2, size/2])
 
-# %% ../nbs/01_augment.ipynb #81e17061
+# %% ../nbs/01_augment.ipynb #f5b28912
 def affine_steps(size:int, # side of the square image, in pixels
                  p_hflip:float=0.5, # probability of a horizontal flip
                  p_vflip:float=0.1, # probability of a vertical flip
@@ -105,19 +106,43 @@ def affine_steps(size:int, # side of the square image, in pixels
                  random_warps:int=0, # number of random warps per sample instead of `warps`
                  warp_magnitude:float=0.1, # range of x, y for random warps
                  p_warp:float=0.025, # probability of each warp, drawn per warp per sample
+                 fold:bool=False, # draw the vertical flip and the fixed warps together as one `subset_product_node`
                 )->list: # per-sample 2×3 destination → source maps, in the order they apply
     "The article's geometric augmentations as per-sample matrices: vertical flip, warps, rotate, horizontal flip"
-    steps = []
-    if p_vflip > 0: steps.append(maybe(flip_matrix(size, horizontal=False, vertical=True), coin(p_vflip)))
-    if random_warps:
-        steps += [random_warp_node(size, warp_magnitude, coin(p_warp)) for _ in range(random_warps)]
-    elif warps is not None and p_warp > 0:
-        steps += [maybe(warp_matrix(float(x), float(y), size), coin(p_warp)) for x,y in warps]
+    fixed = [(flip_matrix(size, horizontal=False, vertical=True), p_vflip)] if p_vflip > 0 else []
+    if not random_warps and warps is not None and p_warp > 0:
+        fixed += [(warp_matrix(float(x), float(y), size), p_warp) for x,y in warps]
+    if fold and len(fixed) > 1: steps = [subset_product_node(*zip(*fixed))]
+    else: steps = [maybe(m, coin(p)) for m,p in fixed]
+    if random_warps: steps += [random_warp_node(size, warp_magnitude, coin(p_warp)) for _ in range(random_warps)]
     if p_rotate > 0: steps.append(rotation_node(size, rotate_range, coin(p_rotate)))
     if p_hflip > 0: steps.append(maybe(flip_matrix(size), coin(p_hflip)))
     return steps
 
-# %% ../nbs/01_augment.ipynb #13d08df5
+# %% ../nbs/01_augment.ipynb #a6cfb85d
+def subset_products(mats:list, # n fixed 2×3 destination → source maps, in the order they apply
+                   )->np.ndarray: # `[2**n, 2, 3]`: entry `k` composes the matrices whose bit is set in `k`
+    "The composed matrix of every subset of `mats`"
+    return np.stack([compose_matrices(*[m for i,m in enumerate(mats) if k >> i & 1]) for k in range(2**len(mats))])
+
+def subset_probabilities(ps:list, # probability of each matrix, independently
+                        )->np.ndarray: # `[2**n]` probability of each subset (bit `i` set: matrix `i` is in)
+    "The probability of each subset when each matrix is in with its own independent probability"
+    bits = (np.arange(2**len(ps))[:, None] >> np.arange(len(ps))) & 1
+    return np.prod(np.where(bits == 1, ps, 1 - np.asarray(ps)), axis=1)
+
+# %% ../nbs/01_augment.ipynb #6c7b3bb1
+def subset_product_node(mats:list, # n fixed 2×3 destination → source maps (2ⁿ subsets are tabled: keep n ≤ 10)
+                        ps:list, # probability of each, independently per sample
+                       )->DataNode: # per-sample 2×3 destination → source map
+    "Per sample, the product of a random subset of `mats`, each in with its own probability: 5 DALI operators for any n"
+    if len(mats) > 10: raise ValueError(f"{len(mats)} fixed matrices make a table of 2**{len(mats)} entries: use at most 10")
+    n = 2**len(mats)
+    k = fn.random.choice(n, p=subset_probabilities(ps).tolist())
+    onehot = fn.reshape(fn.one_hot(k, num_classes=n, dtype=types.FLOAT), shape=[n, 1, 1])
+    return fn.reductions.sum(onehot * types.Constant(subset_products(mats).astype(np.float32)), axes=0)
+
+# %% ../nbs/01_augment.ipynb #5b037e18
 def combine_steps(steps:list, # per-sample 2×3 destination → source maps, in the order they apply
                  )->DataNode: # one per-sample 2×3 destination → source map
     "Multiply the steps into one matrix per sample, so the image is resampled once"
@@ -126,7 +151,7 @@ def combine_steps(steps:list, # per-sample 2×3 destination → source maps, in 
     # so the last step's map comes first.
     return fn.transforms.combine(*reversed(steps))
 
-# %% ../nbs/01_augment.ipynb #a697af71
+# %% ../nbs/01_augment.ipynb #18238f6b
 _BORDERS = {'reflection': 'reflect', 'zeros': 'constant', 'border': 'replicate'}
 
 def warp(images:DataNode, # square images, HWC
@@ -140,7 +165,7 @@ def warp(images:DataNode, # square images, HWC
     return fn.experimental.warp_perspective(images, matrix=m3, border_mode=_BORDERS[pad_mode], fill_value=0,
                                             interp_type=types.INTERP_LINEAR)
 
-# %% ../nbs/01_augment.ipynb #5450727b
+# %% ../nbs/01_augment.ipynb #63dfa6ff
 def lighting(images:DataNode, # images, HWC uint8
              max_lighting:float=0.2, # brightness and contrast change by up to this fraction
              p_lighting:float=0.75, # probability of changing a sample

@@ -9,7 +9,7 @@ __all__ = ['IMAGENET_MEAN', 'IMAGENET_STD', 'read_files', 'shuffled', 'decoder_d
            'decode_center_crop', 'augment', 'normalize', 'default_threads', 'new_pipeline', 'on_device',
            'train_pipeline', 'valid_pipeline']
 
-# %% ../nbs/02_pipeline.ipynb #192a25fc
+# %% ../nbs/02_pipeline.ipynb #75425c94
 import os
 import numpy as np
 from nvidia.dali import fn, types
@@ -17,7 +17,7 @@ from nvidia.dali.pipeline import Pipeline
 from nvidia.dali.data_node import DataNode
 from .augment import affine_steps, combine_steps, warp, lighting, synthetic_warps
 
-# %% ../nbs/02_pipeline.ipynb #202509aa
+# %% ../nbs/02_pipeline.ipynb #4d632f1d
 def read_files(files:list, # image paths
                labels:list, # integer class of each file, `0 .. c-1`
                shuffle:bool=False, # a new order of the whole dataset every epoch
@@ -29,7 +29,7 @@ def read_files(files:list, # image paths
     return fn.readers.file(files=[str(f) for f in files], labels=[int(l) for l in labels], name=name,
                            shuffle_after_epoch=shuffle, pad_last_batch=True, shard_id=shard_id, num_shards=num_shards)
 
-# %% ../nbs/02_pipeline.ipynb #bc7bc253
+# %% ../nbs/02_pipeline.ipynb #3176d11f
 def shuffled(files:list, # image paths
              labels:list, # their labels
              seed:int|None=None, # None: a fresh order
@@ -38,7 +38,7 @@ def shuffled(files:list, # image paths
     idx = np.random.default_rng(seed).permutation(len(files))
     return [files[i] for i in idx],[labels[i] for i in idx]
 
-# %% ../nbs/02_pipeline.ipynb #93eea214
+# %% ../nbs/02_pipeline.ipynb #cafc48cc
 def decoder_device(device_id:int|None)->str:
     "`'mixed'` (GPU decode) when there is a device, `'cpu'` otherwise"
     return 'cpu' if device_id is None else 'mixed'
@@ -65,7 +65,7 @@ def decode_center_crop(encoded:DataNode, # encoded images
     images = fn.resize(images, resize_shorter=round(size/crop_pct))
     return fn.crop(images, crop=(size, size), crop_pos_x=0.5, crop_pos_y=0.5)
 
-# %% ../nbs/02_pipeline.ipynb #59dfc745
+# %% ../nbs/02_pipeline.ipynb #e245bc41
 def augment(images:DataNode, # `size`×`size` images, HWC uint8
             size:int, # their side, in pixels
             p_hflip:float=0.5, # probability of a horizontal flip
@@ -89,14 +89,14 @@ def augment(images:DataNode, # `size`×`size` images, HWC uint8
     steps = affine_steps(size, p_hflip=p_hflip, p_vflip=p_vflip, rotate_range=rotate_range, p_rotate=p_rotate,
                          warps=warps if warp_mode == 'fixed' else None,
                          random_warps=n_warps if warp_mode == 'random' else 0,
-                         warp_magnitude=warp_magnitude, p_warp=p_warp)
+                         warp_magnitude=warp_magnitude, p_warp=p_warp, fold=compose)
     if steps and compose: images = warp(images, combine_steps(steps), pad_mode)
     elif steps:
         for m in steps: images = warp(images, m, pad_mode)
     if max_lighting > 0: images = lighting(images, max_lighting, p_lighting)
     return images
 
-# %% ../nbs/02_pipeline.ipynb #39492bdd
+# %% ../nbs/02_pipeline.ipynb #bdd5fb83
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 _DTYPES = {'float32': types.FLOAT, 'float16': types.FLOAT16}
@@ -111,7 +111,7 @@ def normalize(images:DataNode, # RGB images, HWC uint8
     return fn.crop_mirror_normalize(images, dtype=_DTYPES[dtype], output_layout='CHW',
                                     mean=[255*m for m in mean], std=[255*s for s in std])
 
-# %% ../nbs/02_pipeline.ipynb #baee126d
+# %% ../nbs/02_pipeline.ipynb #d3dd4de1
 def default_threads()->int:
     "CPU threads for a pipeline: the cores this process may use, at most 8"
     return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1))
@@ -127,12 +127,12 @@ def new_pipeline(bs:int, # batch size
     return Pipeline(batch_size=bs, num_threads=num_threads or default_threads(), device_id=device_id,
                     seed=seed, prefetch_queue_depth=prefetch)
 
-# %% ../nbs/02_pipeline.ipynb #8ec14a9f
+# %% ../nbs/02_pipeline.ipynb #c87fa12a
 def on_device(x:DataNode, device_id:int|None)->DataNode:
     "`x` moved to the GPU when the pipeline has one"
     return x if device_id is None else x.gpu()
 
-# %% ../nbs/02_pipeline.ipynb #1d004823
+# %% ../nbs/02_pipeline.ipynb #04c9c810
 def train_pipeline(files:list, # image paths
                    labels:list, # integer class of each file
                    bs:int, # batch size
@@ -162,7 +162,7 @@ def train_pipeline(files:list, # image paths
         pipe.set_outputs(normalize(images, mean, std, dtype), on_device(lbls, device_id))
     return pipe
 
-# %% ../nbs/02_pipeline.ipynb #b4e82106
+# %% ../nbs/02_pipeline.ipynb #d8a6908c
 def valid_pipeline(files:list, # image paths
                    labels:list, # integer class of each file
                    bs:int, # batch size
