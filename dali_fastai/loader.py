@@ -8,7 +8,7 @@ Docs: https://dali-fastai.github.io/dali_fastai/loader.html.md"""
 __all__ = ['AUG_OPTIONS', 'n_batches', 'as_device', 'dali_device_id', 'DaliNormalize', 'ImageItems', 'DaliDataLoader',
            'DaliDataLoaders']
 
-# %% ../nbs/03_loader.ipynb #fc2d5fbb
+# %% ../nbs/03_loader.ipynb #2042a6d0
 import inspect
 from pathlib import Path
 import numpy as np
@@ -27,7 +27,7 @@ from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 from .augment import synthetic_warps
 from .pipeline import train_pipeline, valid_pipeline, augment, IMAGENET_MEAN, IMAGENET_STD
 
-# %% ../nbs/03_loader.ipynb #fef389ad
+# %% ../nbs/03_loader.ipynb #08f11991
 def n_batches(n_items:int, # items in one epoch (one shard)
               bs:int, # batch size
               drop_last:bool=False, # drop the last partial batch
@@ -36,7 +36,7 @@ def n_batches(n_items:int, # items in one epoch (one shard)
     if bs < 1: raise ValueError(f"bs must be at least 1, got {bs}")
     return n_items // bs if drop_last else -(-n_items // bs)
 
-# %% ../nbs/03_loader.ipynb #abb1d5e0
+# %% ../nbs/03_loader.ipynb #b78be406
 def as_device(device:str|torch.device|None=None, # 'cpu', 'gpu', 'cuda', 'cuda:1', a `torch.device`, or None
              )->torch.device: # the torch device batches land on
     "The device to decode on: the GPU when one is visible, unless told otherwise"
@@ -54,14 +54,14 @@ def dali_device_id(device:torch.device)->int|None:
     "DALI's `device_id`: the GPU's index, or None for DALI's CPU backend"
     return device.index if device.type == 'cuda' else None
 
-# %% ../nbs/03_loader.ipynb #44d16f92
+# %% ../nbs/03_loader.ipynb #da4c7f20
 class DaliNormalize(Normalize):
     "A `Normalize` whose work DALI has already done: `encodes` passes batches through, `decodes` denormalizes to 0..1"
     def encodes(self, x:TensorImage): return x
     def decodes(self, x:TensorImage):
         return TensorImage((x.float() * self.std.to(x.device) + self.mean.to(x.device)).clamp(0, 1))
 
-# %% ../nbs/03_loader.ipynb #469d7c9a
+# %% ../nbs/03_loader.ipynb #8ed3869c
 class ImageItems:
     "The labelled files a loader reads, and how to decode a label back to its class name"
     def __init__(self, files:list, # image paths
@@ -85,8 +85,8 @@ class ImageItems:
     def __repr__(self): return f"{type(self).__name__}({len(self)} files, {self.c} classes)"
     def decode_label(self, y): return self.categorize.decode(y)
 
-# %% ../nbs/03_loader.ipynb #fff526c4
-_ARGS = 'items,bs,size,train,shuffle,drop_last,device,seed,num_threads,prefetch,mean,std,dtype,crop_pct,drain_limit'
+# %% ../nbs/03_loader.ipynb #fe705d87
+_ARGS = 'items,bs,size,train,shuffle,drop_last,device,seed,num_threads,prefetch,mean,std,dtype,crop_pct,hw_decoder_load,drain_limit'
 AUG_OPTIONS = {'area', 'ratio', 'n_warps'} | set(inspect.signature(augment).parameters) - {'images', 'size'}
 
 class DaliDataLoader:
@@ -106,6 +106,7 @@ class DaliDataLoader:
                  std:tuple=IMAGENET_STD, # normalization std, 0..1 scale
                  dtype:str='float32', # 'float32' or 'float16' images
                  crop_pct:float=0.875, # validation: centre crop's share of the resized shorter side
+                 hw_decoder_load:float=0.65, # GPU: share of JPEGs for the hardware JPEG decoder (A100, H100, H200)
                  drain_limit:int=4, # an abandoned epoch with at most this many batches left is drained, else rebuilt
                  **aug, # training augmentation, see `train_pipeline` and `augment`
                 ):
@@ -119,7 +120,7 @@ class DaliDataLoader:
         drop_last = train if drop_last is None else drop_last
         if train and aug.get('warp_mode', 'fixed') == 'fixed' and aug.get('warps') is None:
             aug['warps'] = synthetic_warps(aug.pop('n_warps', 7), aug.get('warp_magnitude', 0.1), seed)
-        store_attr('items,bs,size,train,shuffle,drop_last,seed,num_threads,prefetch,mean,std,dtype,crop_pct,drain_limit,aug')
+        store_attr('items,bs,size,train,shuffle,drop_last,seed,num_threads,prefetch,mean,std,dtype,crop_pct,hw_decoder_load,drain_limit,aug')
         self.device = as_device(device)
         self.after_batch = Pipeline([DaliNormalize.from_stats(mean, std, cuda=False)])
         self._it,self._builds,self._epoch,self._peeks,self._done,self._taken = None,0,0,0,True,0
@@ -142,7 +143,8 @@ class DaliDataLoader:
     def _pipeline(self, seed):
         labels = [0]*len(self.items) if self.items.labels is None else self.items.labels
         kw = dict(bs=self.bs, size=self.size, device_id=dali_device_id(self.device), shuffle=self.shuffle, seed=seed,
-                  num_threads=self.num_threads, prefetch=self.prefetch, mean=self.mean, std=self.std, dtype=self.dtype)
+                  num_threads=self.num_threads, prefetch=self.prefetch, mean=self.mean, std=self.std, dtype=self.dtype,
+                  hw_decoder_load=self.hw_decoder_load)
         if self.train: return train_pipeline(self.items.files, labels, **kw, **self.aug)
         return valid_pipeline(self.items.files, labels, crop_pct=self.crop_pct, **kw)
 
@@ -272,7 +274,7 @@ class DaliDataLoader:
         "Pickle the settings, never the DALI pipeline (it cannot be pickled): it is rebuilt on the next `iter()`"
         return {**self.__dict__, '_it': None, '_done': True, '_taken': 0}
 
-# %% ../nbs/03_loader.ipynb #9ef21ff2
+# %% ../nbs/03_loader.ipynb #870bf3c6
 def _label_ids(labels, vocab, where):
     idx = {v: i for i,v in enumerate(vocab)}
     missing = sorted({str(l) for l in labels if l not in idx})
@@ -284,7 +286,7 @@ def _check_files(files, where):
     if len(files) == 0:
         raise ValueError(f"no images in {where}: check the path and folder names (fastai's get_image_files finds the images)")
 
-# %% ../nbs/03_loader.ipynb #7fd56ce5
+# %% ../nbs/03_loader.ipynb #eae2559c
 class DaliDataLoaders(DataLoaders):
     "fastai `DataLoaders` over DALI pipelines (a train and a valid `DaliDataLoader`), built like `ImageDataLoaders`"
     @classmethod
@@ -306,7 +308,7 @@ class DaliDataLoaders(DataLoaders):
         if len(train_files) != len(train_labels): raise ValueError(f"{len(train_files)} training files but {len(train_labels)} labels")
         if len(valid_files) != len(valid_labels): raise ValueError(f"{len(valid_files)} validation files but {len(valid_labels)} labels")
         vocab = list(vocab) if vocab is not None else sorted(set(train_labels), key=str)
-        valid_kw = {k: v for k,v in kwargs.items() if k in ('num_threads', 'prefetch', 'mean', 'std', 'dtype', 'crop_pct', 'drain_limit')}
+        valid_kw = {k: v for k,v in kwargs.items() if k in ('num_threads', 'prefetch', 'mean', 'std', 'dtype', 'crop_pct', 'hw_decoder_load', 'drain_limit')}
         train = DaliDataLoader(ImageItems(train_files, _label_ids(train_labels, vocab, 'the training set'), vocab),
                                bs=bs, size=size, train=True, device=device, seed=seed, **kwargs)
         valid = DaliDataLoader(ImageItems(valid_files, _label_ids(valid_labels, vocab, 'the validation set'), vocab),

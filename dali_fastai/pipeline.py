@@ -9,7 +9,7 @@ __all__ = ['IMAGENET_MEAN', 'IMAGENET_STD', 'read_files', 'shuffled', 'decoder_d
            'decode_center_crop', 'augment', 'normalize', 'default_threads', 'new_pipeline', 'on_device',
            'train_pipeline', 'valid_pipeline']
 
-# %% ../nbs/02_pipeline.ipynb #75425c94
+# %% ../nbs/02_pipeline.ipynb #e5c43764
 import os
 import numpy as np
 from nvidia.dali import fn, types
@@ -17,7 +17,7 @@ from nvidia.dali.pipeline import Pipeline
 from nvidia.dali.data_node import DataNode
 from .augment import affine_steps, combine_steps, warp, lighting, synthetic_warps
 
-# %% ../nbs/02_pipeline.ipynb #4d632f1d
+# %% ../nbs/02_pipeline.ipynb #6f0f913c
 def read_files(files:list, # image paths
                labels:list, # integer class of each file, `0 .. c-1`
                shuffle:bool=False, # a new order of the whole dataset every epoch
@@ -29,7 +29,7 @@ def read_files(files:list, # image paths
     return fn.readers.file(files=[str(f) for f in files], labels=[int(l) for l in labels], name=name,
                            shuffle_after_epoch=shuffle, pad_last_batch=True, shard_id=shard_id, num_shards=num_shards)
 
-# %% ../nbs/02_pipeline.ipynb #3176d11f
+# %% ../nbs/02_pipeline.ipynb #4294b738
 def shuffled(files:list, # image paths
              labels:list, # their labels
              seed:int|None=None, # None: a fresh order
@@ -38,34 +38,42 @@ def shuffled(files:list, # image paths
     idx = np.random.default_rng(seed).permutation(len(files))
     return [files[i] for i in idx],[labels[i] for i in idx]
 
-# %% ../nbs/02_pipeline.ipynb #cafc48cc
+# %% ../nbs/02_pipeline.ipynb #6c526268
 def decoder_device(device_id:int|None)->str:
     "`'mixed'` (GPU decode) when there is a device, `'cpu'` otherwise"
     return 'cpu' if device_id is None else 'mixed'
+
+def _hw_load(device_id, load):
+    if not 0 <= load <= 1: raise ValueError(f"hw_decoder_load must be between 0 and 1, got {load}")
+    return {} if device_id is None else {'hw_decoder_load': load}
 
 def decode_random_crop(encoded:DataNode, # encoded images
                        size:int, # output side, in pixels
                        device_id:int|None=None, # GPU id, or None for the CPU backend
                        area:tuple=(0.08, 1.), # range of the crop's area, as a fraction of the image
                        ratio:tuple=(3/4, 4/3), # range of the crop's aspect ratio
+                       hw_decoder_load:float=0.65, # GPU only: share of JPEGs given to the hardware JPEG decoder
                       )->DataNode: # `size`×`size` RGB images, HWC uint8
     "fastai's `RandomResizedCrop`, decoding only the crop window"
     images = fn.decoders.image_random_crop(encoded, device=decoder_device(device_id), output_type=types.RGB,
-                                           random_area=list(area), random_aspect_ratio=list(ratio), num_attempts=10)
+                                           random_area=list(area), random_aspect_ratio=list(ratio), num_attempts=10,
+                                           **_hw_load(device_id, hw_decoder_load))
     return fn.resize(images, resize_x=size, resize_y=size)
 
 def decode_center_crop(encoded:DataNode, # encoded images
                        size:int, # output side, in pixels
                        device_id:int|None=None, # GPU id, or None for the CPU backend
                        crop_pct:float=0.875, # the crop's share of the resized shorter side
+                       hw_decoder_load:float=0.65, # GPU only: share of JPEGs given to the hardware JPEG decoder
                       )->DataNode: # `size`×`size` RGB images, HWC uint8
     "Resize the shorter side to `size/crop_pct` and keep the centre `size`×`size`"
     if not 0 < crop_pct <= 1: raise ValueError(f"crop_pct must be in (0, 1], got {crop_pct}")
-    images = fn.decoders.image(encoded, device=decoder_device(device_id), output_type=types.RGB)
+    images = fn.decoders.image(encoded, device=decoder_device(device_id), output_type=types.RGB,
+                               **_hw_load(device_id, hw_decoder_load))
     images = fn.resize(images, resize_shorter=round(size/crop_pct))
     return fn.crop(images, crop=(size, size), crop_pos_x=0.5, crop_pos_y=0.5)
 
-# %% ../nbs/02_pipeline.ipynb #e245bc41
+# %% ../nbs/02_pipeline.ipynb #d255da50
 def augment(images:DataNode, # `size`×`size` images, HWC uint8
             size:int, # their side, in pixels
             p_hflip:float=0.5, # probability of a horizontal flip
@@ -96,7 +104,7 @@ def augment(images:DataNode, # `size`×`size` images, HWC uint8
     if max_lighting > 0: images = lighting(images, max_lighting, p_lighting)
     return images
 
-# %% ../nbs/02_pipeline.ipynb #bdd5fb83
+# %% ../nbs/02_pipeline.ipynb #fc07d98e
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
 _DTYPES = {'float32': types.FLOAT, 'float16': types.FLOAT16}
@@ -111,7 +119,7 @@ def normalize(images:DataNode, # RGB images, HWC uint8
     return fn.crop_mirror_normalize(images, dtype=_DTYPES[dtype], output_layout='CHW',
                                     mean=[255*m for m in mean], std=[255*s for s in std])
 
-# %% ../nbs/02_pipeline.ipynb #d3dd4de1
+# %% ../nbs/02_pipeline.ipynb #858b7bee
 def default_threads()->int:
     "CPU threads for a pipeline: the cores this process may use, at most 8"
     return max(1, min(8, len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1))
@@ -127,12 +135,12 @@ def new_pipeline(bs:int, # batch size
     return Pipeline(batch_size=bs, num_threads=num_threads or default_threads(), device_id=device_id,
                     seed=seed, prefetch_queue_depth=prefetch)
 
-# %% ../nbs/02_pipeline.ipynb #c87fa12a
+# %% ../nbs/02_pipeline.ipynb #41b9d051
 def on_device(x:DataNode, device_id:int|None)->DataNode:
     "`x` moved to the GPU when the pipeline has one"
     return x if device_id is None else x.gpu()
 
-# %% ../nbs/02_pipeline.ipynb #04c9c810
+# %% ../nbs/02_pipeline.ipynb #73af98f4
 def train_pipeline(files:list, # image paths
                    labels:list, # integer class of each file
                    bs:int, # batch size
@@ -144,6 +152,7 @@ def train_pipeline(files:list, # image paths
                    prefetch:int=2, # batches prepared ahead
                    area:tuple=(0.08, 1.), # random-resized-crop area range
                    ratio:tuple=(3/4, 4/3), # random-resized-crop aspect ratio range
+                   hw_decoder_load:float=0.65, # GPU only: share of JPEGs given to the hardware JPEG decoder
                    mean:tuple=IMAGENET_MEAN, # normalization mean
                    std:tuple=IMAGENET_STD, # normalization std
                    dtype:str='float32', # 'float32' or 'float16'
@@ -157,12 +166,12 @@ def train_pipeline(files:list, # image paths
     pipe = new_pipeline(bs, device_id, num_threads, seed, prefetch)
     with pipe:
         encoded,lbls = read_files(files, labels, shuffle=shuffle, shard_id=shard_id, num_shards=num_shards)
-        images = decode_random_crop(encoded, size, device_id, area=area, ratio=ratio)
+        images = decode_random_crop(encoded, size, device_id, area=area, ratio=ratio, hw_decoder_load=hw_decoder_load)
         images = augment(images, size, **aug)
         pipe.set_outputs(normalize(images, mean, std, dtype), on_device(lbls, device_id))
     return pipe
 
-# %% ../nbs/02_pipeline.ipynb #d8a6908c
+# %% ../nbs/02_pipeline.ipynb #be32b992
 def valid_pipeline(files:list, # image paths
                    labels:list, # integer class of each file
                    bs:int, # batch size
@@ -171,6 +180,7 @@ def valid_pipeline(files:list, # image paths
                    crop_pct:float=0.875, # centre crop's share of the resized shorter side
                    shuffle:bool=False, # a new order every epoch (e.g. to show random validation batches)
                    seed:int|None=None, # seed for the order; None: random
+                   hw_decoder_load:float=0.65, # GPU only: share of JPEGs given to the hardware JPEG decoder
                    num_threads:int|None=None, # CPU threads; None: `default_threads()`
                    prefetch:int=2, # batches prepared ahead
                    mean:tuple=IMAGENET_MEAN, # normalization mean
@@ -185,6 +195,6 @@ def valid_pipeline(files:list, # image paths
     pipe = new_pipeline(bs, device_id, num_threads, seed, prefetch)
     with pipe:
         encoded,lbls = read_files(files, labels, shuffle=shuffle, shard_id=shard_id, num_shards=num_shards)
-        images = decode_center_crop(encoded, size, device_id, crop_pct)
+        images = decode_center_crop(encoded, size, device_id, crop_pct, hw_decoder_load)
         pipe.set_outputs(normalize(images, mean, std, dtype), on_device(lbls, device_id))
     return pipe
