@@ -9,7 +9,7 @@ __all__ = ['BENCH_PHOTOS', 'bench_images', 'loader_throughput', 'Throughput', 'S
            'pipeline_memory', 'machine_info', 'fastai_default_dls', 'bench', 'format_results', 'save_results',
            'plot_results']
 
-# %% ../nbs/05_bench.ipynb #8bb1a417
+# %% ../nbs/05_bench.ipynb #77154514
 import json, math, os, platform, statistics, time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -34,7 +34,7 @@ from fastai.vision.learner import vision_learner
 import dali_fastai
 from .loader import DaliDataLoaders, as_device
 
-# %% ../nbs/05_bench.ipynb #3c944fad
+# %% ../nbs/05_bench.ipynb #ada45b6d
 BENCH_PHOTOS = ('astronaut', 'chelsea', 'coffee', 'rocket', 'hubble_deep_field', 'immunohistochemistry', 'retina',
                 'camera', 'grass', 'gravel')
 
@@ -64,7 +64,7 @@ def _bench_image(args):
     if rng.random() < 0.5: im = im.transpose(Image.FLIP_LEFT_RIGHT)
     im.save(dest, quality=quality)
 
-# %% ../nbs/05_bench.ipynb #72e37ecd
+# %% ../nbs/05_bench.ipynb #13392625
 def bench_images(dest:str|Path|None=None, # folder to write; default: ~/.cache/dali_fastai/bench_<n_per_class>
                  n_per_class:int=500, # images per class (a fifth of them go to valid/)
                  photos:tuple=BENCH_PHOTOS, # scikit-image sample photos, one class each
@@ -93,7 +93,7 @@ def bench_images(dest:str|Path|None=None, # folder to write; default: ~/.cache/d
     marker.write_text(recipe)
     return dest
 
-# %% ../nbs/05_bench.ipynb #8344aac9
+# %% ../nbs/05_bench.ipynb #ce1485ac
 def _sync(device:torch.device):
     if device.type == 'cuda': torch.cuda.synchronize(device)
 
@@ -122,7 +122,7 @@ def loader_throughput(dl, # anything that yields batches, epoch after epoch
         rates.append(n / (time.perf_counter() - start))
     return statistics.median(rates)
 
-# %% ../nbs/05_bench.ipynb #c8d6fd65
+# %% ../nbs/05_bench.ipynb #d4c79b28
 class Throughput(Callback):
     "Time `n_batches` training batches after `warmup`, then cancel the fit"
     order = 100
@@ -139,7 +139,7 @@ class Throughput(Callback):
             raise CancelFitException()
     def before_validate(self): raise CancelValidException()
 
-# %% ../nbs/05_bench.ipynb #812eb709
+# %% ../nbs/05_bench.ipynb #6388f46d
 class SyntheticLoader:
     "The same random batch, already on the device, `n` times an epoch: the ceiling a loader can reach"
     def __init__(self, bs:int, size:int, c:int, device:torch.device, n:int=50, dtype=torch.float32):
@@ -150,7 +150,7 @@ class SyntheticLoader:
     def __iter__(self): return ((self.x, self.y) for _ in range(self.n))
     def to(self, device): self.device = device; return self
 
-# %% ../nbs/05_bench.ipynb #cd96fe67
+# %% ../nbs/05_bench.ipynb #9f3d0eb5
 def training_throughput(dls, # DataLoaders to train from
                         arch:str='resnet18', # torchvision model name
                         c:int=10, # classes
@@ -169,7 +169,7 @@ def training_throughput(dls, # DataLoaders to train from
         rates.append(cb.rate)
     return statistics.median(rates)
 
-# %% ../nbs/05_bench.ipynb #ea192c4e
+# %% ../nbs/05_bench.ipynb #79d31232
 def pipeline_memory(dl, # a loader whose pipeline is not built yet
                     device:torch.device, batches:int=3)->int|None: # bytes, or None on the CPU
     "GPU memory taken by `dl`'s DALI pipeline (device free memory drop, less PyTorch's own)"
@@ -180,7 +180,7 @@ def pipeline_memory(dl, # a loader whose pipeline is not built yet
     _sync(device); free1,reserved1 = torch.cuda.mem_get_info(device)[0],torch.cuda.memory_reserved(device)
     return max(0, (free0 - free1) - (reserved1 - reserved0))
 
-# %% ../nbs/05_bench.ipynb #0f372360
+# %% ../nbs/05_bench.ipynb #f81e0017
 def machine_info(device:torch.device)->dict:
     "What the numbers were measured on"
     return dict(gpu=torch.cuda.get_device_name(device) if device.type == 'cuda' else None, cpu_cores=os.cpu_count(),
@@ -193,7 +193,7 @@ def fastai_default_dls(path, size:int, bs:int, device, workers:int|None=None):
                                         batch_tfms=[*aug_transforms(), Normalize.from_stats(*imagenet_stats)], bs=bs,
                                         num_workers=workers if workers is not None else os.cpu_count(), device=device)
 
-# %% ../nbs/05_bench.ipynb #aa0f9f94
+# %% ../nbs/05_bench.ipynb #7397a21e
 def bench(path:str|Path|None=None, # ImageNet-style folder; default: `bench_images()`
           size:int=224, bs:int=256, # image side and batch size
           device:str|None=None, # 'cpu' or 'gpu'; default: the GPU if visible
@@ -228,7 +228,7 @@ def bench(path:str|Path|None=None, # ImageNet-style folder; default: `bench_imag
     if out is not None: save_results(res, out)
     return res
 
-# %% ../nbs/05_bench.ipynb #7c919a2e
+# %% ../nbs/05_bench.ipynb #caa93828
 def format_results(res:dict)->str:
     "The results as a plain-text table, with ratios"
     m,s,L = res['machine'],res['settings'],res['loader']
@@ -256,7 +256,9 @@ def save_results(res:dict, out:str|Path)->Path:
     plot_results(res).savefig(out/'bench.png', dpi=120, bbox_inches='tight')
     return out
 
-# %% ../nbs/05_bench.ipynb #664010ff
+# %% ../nbs/05_bench.ipynb #9cdd3d65
+def _colour(label): return 'tab:gray' if label.startswith('fastai') else 'tab:blue' if 'synthetic' in label else 'tab:green'
+
 def plot_results(res:dict):
     "A bar chart of the loader and training throughputs"
     import matplotlib.pyplot as plt
@@ -264,10 +266,10 @@ def plot_results(res:dict):
     fig,axs = plt.subplots(1, n, figsize=(5.5*n, 3.2), squeeze=False)
     L = res['loader']
     ax = axs[0, 0]
-    ax.barh(list(L)[::-1], list(L.values())[::-1], color=['tab:gray' if 'fastai default' in k else 'tab:green' for k in L][::-1])
+    ax.barh(list(L)[::-1], list(L.values())[::-1], color=[_colour(k) for k in L][::-1])
     ax.set_xlabel('images / second'); ax.set_title(f"loaders, {res['settings']['size']}px, bs {res['settings']['bs']}")
     for ax,(arch,r) in zip(axs[0, 1:], res['training'].items()):
-        ax.barh(list(r)[::-1], list(r.values())[::-1], color=['tab:gray' if 'fastai' in k else 'tab:blue' if 'synthetic' in k else 'tab:green' for k in r][::-1])
+        ax.barh(list(r)[::-1], list(r.values())[::-1], color=[_colour(k) for k in r][::-1])
         ax.set_xlabel('images / second'); ax.set_title(f'training {arch}')
     gpu = res['machine']['gpu'] or f"CPU only, {res['machine']['cpu_cores']} cores"
     fig.suptitle(f"dali_fastai benchmark: {gpu}", y=1.02)

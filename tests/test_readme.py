@@ -100,3 +100,11 @@ def test_cli(proj):
     (proj/INDEX.relative_to(ROOT)).unlink()
     r = run('--check')
     assert r.returncode == 1 and 'index.ipynb not found' in r.stderr, r
+
+
+def test_picture_links_point_from_the_root():
+    "The notebook links pictures relative to nbs/, the README sits at the root: the README's links must still resolve"
+    md = rd.cell_md(dict(cell_type='markdown', source='![chart](images/bench_h200.png) [site](https://x.org/a.png)'))
+    assert md == ['![chart](nbs/images/bench_h200.png) [site](https://x.org/a.png)']
+    for link in __import__('re').findall(r'\]\((nbs/[^)]+)\)', (ROOT/'README.md').read_text()):
+        assert (ROOT/link).exists(), f"README links to {link}, which does not exist"

@@ -3,7 +3,7 @@
 `nbdev-readme` renders the README with Quarto, which this project's CI does not have; this converter keeps to what a
 README needs and what nbdev's docs processors do:
 
-- markdown cells verbatim;
+- markdown cells verbatim, except that links to local pictures (relative to `nbs/`) are made relative to the root;
 - code cells as ```python fences, their text outputs (stdout, `text/plain` results) as plain ``` fences and their
   `text/markdown` outputs verbatim; stderr, errors, images and HTML are left out;
 - `#|` directive lines stripped; cells with `#| hide`, `#| export`, `#| exporti`, `#| default_exp` or
@@ -82,6 +82,10 @@ def outputs_md(outputs)->list[str]:
     return blocks
 
 
+_re_local_link = re.compile(r'\]\((?!https?:|#|/)([^)\s]+\.(?:png|jpe?g|svg|gif))\)')
+nbs = 'nbs'  # links in the notebook are relative to nbs/, in the README to the repository root
+
+
 def cell_md(cell)->list[str]:
     "Markdown blocks for one notebook cell ([] if it is left out of the README)"
     dirs, src = split_directives(_text(cell.get('source')))
@@ -90,7 +94,7 @@ def cell_md(cell)->list[str]:
     if typ == 'markdown':
         s = src.strip()
         if not s or (s.startswith('#') and '\n' not in s and s.endswith(' -')): return []
-        return [s]
+        return [_re_local_link.sub(lambda m: f"]({nbs}/{m.group(1)})", s)]
     if typ != 'code': return []  # raw cells hold Quarto front matter
     blocks = []
     if src.strip() and dirs.get('echo') != 'false': blocks.append(fence(src, 'python'))
