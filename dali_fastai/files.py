@@ -6,15 +6,15 @@ Docs: https://dali-fastai.github.io/dali_fastai/files.html.md"""
 
 # %% auto #0
 __all__ = ['SIGNATURES', 'UNSUPPORTED', 'DECODABLE', 'image_format', 'check_image', 'decode_image', 'cache_dir', 'check_images',
-           'bad_files_message']
+           'remember_bad', 'describe_bad', 'bad_files_message']
 
-# %% ../nbs/02a_files.ipynb #25abd19a
+# %% ../nbs/02a_files.ipynb #adfdcc74
 import hashlib, json, os, tempfile, warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from PIL import Image
 
-# %% ../nbs/02a_files.ipynb #02a29a3a
+# %% ../nbs/02a_files.ipynb #d6e4d866
 SIGNATURES = {b'\xff\xd8\xff': 'JPEG', b'\x89PNG\r\n\x1a\n': 'PNG', b'II*\x00': 'TIFF', b'MM\x00*': 'TIFF',
               b'BM': 'BMP', b'\x00\x00\x00\x0cjP  \r\n\x87\n': 'JPEG 2000', b'\xff\x4f\xff\x51': 'JPEG 2000'}
 UNSUPPORTED = {b'GIF87a': 'GIF', b'GIF89a': 'GIF', b'\x00\x00\x01\x00': 'ICO', b'8BPS': 'PSD'}
@@ -26,7 +26,7 @@ def image_format(head:bytes, # the first 16 bytes of a file
     if head[:4] == b'RIFF' and head[8:12] == b'WEBP': return 'WebP'
     return next((v for k,v in SIGNATURES.items() if head.startswith(k)), None)
 
-# %% ../nbs/02a_files.ipynb #4bf52117
+# %% ../nbs/02a_files.ipynb #70edca03
 def _not_an_image(head):
     fmt = next((v for k,v in UNSUPPORTED.items() if head.startswith(k)), None)
     if fmt: return f"{fmt} image, which DALI cannot decode: convert it to PNG or JPEG"
@@ -61,21 +61,20 @@ def check_image(f, # an image path
     except Exception as e: return f"unreadable {fmt} header ({type(e).__name__}: {e})"
     if w < 1 or h < 1: return f"{fmt} with no pixels ({w}×{h})"
 
-# %% ../nbs/02a_files.ipynb #e7d27065
+# %% ../nbs/02a_files.ipynb #dcf29f4a
 def decode_image(f)->str|None:
     "Decode `f` fully with PIL (slow: reads every pixel); None when it decodes, else why not"
     try:
         with Image.open(f) as im: im.load()
     except Exception as e: return f"PIL cannot decode it ({type(e).__name__}: {e})"
 
-# %% ../nbs/02a_files.ipynb #3ec41724
+# %% ../nbs/02a_files.ipynb #7224b732
 def cache_dir()->Path:
     "Where dali_fastai keeps its caches: `$XDG_CACHE_HOME/dali_fastai`, by default `~/.cache/dali_fastai`"
     return Path(os.environ.get('XDG_CACHE_HOME') or Path.home()/'.cache')/'dali_fastai'
 
-def _cache_file(folder, files):
-    root = os.path.commonpath([os.path.abspath(f) for f in files])
-    return Path(folder)/'file_checks'/f"{hashlib.sha1(root.encode()).hexdigest()[:16]}.json"
+def _cache_file(folder, d):
+    return Path(folder)/'file_checks'/f"{hashlib.sha1(str(d).encode()).hexdigest()[:16]}.json"
 
 def _load(path):
     try: return json.loads(path.read_text())
@@ -90,49 +89,84 @@ def _save(path, checks):
         os.replace(tmp, path)
     except OSError as e: warnings.warn(f"could not write the file-check cache {str(path)!r} ({e}): the next start checks the files again")
 
-# %% ../nbs/02a_files.ipynb #a49cb388
+# %% ../nbs/02a_files.ipynb #0cdac38d
 def _stat_key(f):
     try: st = os.stat(f)
     except OSError: return None
     return [st.st_size, st.st_mtime_ns]
 
 def _check_chunk(files, known, full):
+    "`(file, stat key, reason, checked now)` for each of `files`, reusing `known` verdicts whose stat key matches"
     res = []
     for f in files:
-        key = _stat_key(f)
-        hit = known.get(f)
+        key,hit = _stat_key(f),known.get(f)
         if key is not None and hit is not None and hit[:2] == key: res.append((f, key, hit[2], False)); continue
         reason = check_image(f)
         if reason is None and full: reason = decode_image(f)
         res.append((f, key, reason, True))
     return res
 
+def _by_folder(files):
+    groups = {}
+    for f in files: groups.setdefault(os.path.dirname(os.path.abspath(f)), []).append(f)
+    return groups
+
+def _cached(folder, files):
+    "The cached verdicts of `files`, by path"
+    known = {}
+    for d,fs in _by_folder(files).items():
+        saved = _load(_cache_file(folder, d))
+        known.update({f: saved[os.path.basename(f)] for f in fs if os.path.basename(f) in saved})
+    return known
+
+def _store(folder, results):
+    "Add `(file, key, reason)` verdicts to the cache of each file's folder"
+    for d,rs in _by_folder([r[0] for r in results]).items():
+        new = {r[0]: r for r in results}
+        path = _cache_file(folder, d)
+        _save(path, {**_load(path), **{os.path.basename(f): [*new[f][1], new[f][2]] for f in rs}})
+
 def check_images(files:list, # image paths
                  workers:int|None=None, # threads; default: 4 per core, at most 32 (the work waits on the disk)
                  cache:bool|str|Path=True, # True: remember verdicts in `cache_dir()`; a folder: there; False: no cache
-                 full:bool=False, # also decode every file with PIL (slow; finds files broken in the middle)
+                 full:bool=False, # also decode every file with PIL (slow; finds files broken in the middle, and caches them)
                 )->list: # `(file, reason)` for each bad file, in the order of `files`
     "Check `files` in parallel with `check_image`, skipping files whose size and mtime match the cache"
     files = [str(f) for f in files]
     if not files: return []
-    path = None if cache is False else _cache_file(cache_dir() if cache is True else cache, files)
-    known = {} if path is None or full else _load(path)
+    folder = None if cache is False else cache_dir() if cache is True else Path(cache)
+    known = {} if folder is None or full else _cached(folder, files)  # `full`: decode every file, cached or not
     workers = workers or min(32, 4*(os.cpu_count() or 1))
     chunks = [files[i:i+512] for i in range(0, len(files), 512)]
-    with ThreadPoolExecutor(workers) as ex: results = [r for c in ex.map(lambda c: _check_chunk(c, known, full), chunks) for r in c]
-    if path is not None and not full and any(new and key is not None for _,key,_,new in results):
-        _save(path, {**known, **{f: [*key, reason] for f,key,reason,_ in results if key is not None}})
+    with ThreadPoolExecutor(workers) as ex:
+        results = [r for c in ex.map(lambda c: _check_chunk(c, known, full), chunks) for r in c]
+    fresh = [(f, key, reason) for f,key,reason,new in results if new and key is not None]
+    if folder is not None and fresh: _store(folder, fresh)
     return [(f, reason) for f,_,reason,_ in results if reason is not None]
 
-# %% ../nbs/02a_files.ipynb #ade239c5
+def remember_bad(bad:list, # `(file, reason)` pairs found bad some other way (e.g. DALI failed to decode them)
+                 cache:bool|str|Path=True, # the cache `check_images` reads
+                ):
+    "Record `bad` files in the cache, so the next `check_images` reports them (until they change)"
+    if cache is False: return
+    folder = cache_dir() if cache is True else Path(cache)
+    _store(folder, [(str(f), key, reason) for f,reason in bad if (key := _stat_key(f)) is not None])
+
+# %% ../nbs/02a_files.ipynb #ada62af8
+def describe_bad(bad:list, # `(file, reason)` pairs from `check_images`
+                 root=None, # show paths relative to this folder
+                 n:int=5, # how many to name
+                )->str: # "'a.jpg' (zero-byte file); 'b.jpg' (...) and 3 more"
+    "The first `n` bad files by name and reason, and how many more there are"
+    def name(f):
+        try: return str(Path(f).relative_to(root)) if root is not None else str(f)
+        except ValueError: return str(f)
+    more = f" and {len(bad)-n} more" if len(bad) > n else ''
+    return '; '.join(f"{name(f)!r} ({r})" for f,r in bad[:n]) + more
+
 def bad_files_message(bad:list, # `(file, reason)` pairs from `check_images`
                       root=None, # show paths relative to this folder
                       n:int=5, # how many to name
                      )->str: # one error text
     "The error for `bad` files: the first `n` by name and reason, the count, and what to do"
-    def name(f):
-        try: return str(Path(f).relative_to(root)) if root is not None else str(f)
-        except ValueError: return str(f)
-    shown = '; '.join(f"{name(f)!r} ({r})" for f,r in bad[:n])
-    more = f" and {len(bad)-n} more" if len(bad) > n else ''
-    return f"cannot decode {shown}{more}: remove {'it' if len(bad) == 1 else 'them'} or pass skip_bad_files=True"
+    return f"cannot decode {describe_bad(bad, root, n)}: remove {'it' if len(bad) == 1 else 'them'} or pass skip_bad_files=True"
