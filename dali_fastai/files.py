@@ -8,25 +8,26 @@ Docs: https://dali-fastai.github.io/dali_fastai/files.html.md"""
 __all__ = ['SIGNATURES', 'UNSUPPORTED', 'DECODABLE', 'image_format', 'check_image', 'decode_image', 'cache_dir', 'check_images',
            'remember_bad', 'describe_bad', 'bad_files_message']
 
-# %% ../nbs/02a_files.ipynb #adfdcc74
+# %% ../nbs/02a_files.ipynb #37e69e0b
 import hashlib, json, os, tempfile, warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from PIL import Image
 
-# %% ../nbs/02a_files.ipynb #d6e4d866
+# %% ../nbs/02a_files.ipynb #998144f4
 SIGNATURES = {b'\xff\xd8\xff': 'JPEG', b'\x89PNG\r\n\x1a\n': 'PNG', b'II*\x00': 'TIFF', b'MM\x00*': 'TIFF',
               b'BM': 'BMP', b'\x00\x00\x00\x0cjP  \r\n\x87\n': 'JPEG 2000', b'\xff\x4f\xff\x51': 'JPEG 2000'}
 UNSUPPORTED = {b'GIF87a': 'GIF', b'GIF89a': 'GIF', b'\x00\x00\x01\x00': 'ICO', b'8BPS': 'PSD'}
-DECODABLE = 'JPEG/PNG/TIFF/WebP/BMP/JPEG 2000'
+DECODABLE = 'JPEG/PNG/TIFF/WebP/BMP/JPEG 2000/PNM'
 
 def image_format(head:bytes, # the first 16 bytes of a file
-                )->str|None: # 'JPEG', 'PNG', 'TIFF', 'WebP', 'BMP', 'JPEG 2000', or None
+                )->str|None: # 'JPEG', 'PNG', 'TIFF', 'WebP', 'BMP', 'JPEG 2000', 'PNM', or None
     "The format DALI's CPU decoders know that `head` starts, from its signature (magic bytes)"
     if head[:4] == b'RIFF' and head[8:12] == b'WEBP': return 'WebP'
+    if head[:1] == b'P' and head[1:2] in b'123456' and head[2:3].isspace(): return 'PNM'
     return next((v for k,v in SIGNATURES.items() if head.startswith(k)), None)
 
-# %% ../nbs/02a_files.ipynb #70edca03
+# %% ../nbs/02a_files.ipynb #c5f9308c
 def _not_an_image(head):
     fmt = next((v for k,v in UNSUPPORTED.items() if head.startswith(k)), None)
     if fmt: return f"{fmt} image, which DALI cannot decode: convert it to PNG or JPEG"
@@ -61,14 +62,14 @@ def check_image(f, # an image path
     except Exception as e: return f"unreadable {fmt} header ({type(e).__name__}: {e})"
     if w < 1 or h < 1: return f"{fmt} with no pixels ({w}×{h})"
 
-# %% ../nbs/02a_files.ipynb #dcf29f4a
+# %% ../nbs/02a_files.ipynb #11860734
 def decode_image(f)->str|None:
     "Decode `f` fully with PIL (slow: reads every pixel); None when it decodes, else why not"
     try:
         with Image.open(f) as im: im.load()
     except Exception as e: return f"PIL cannot decode it ({type(e).__name__}: {e})"
 
-# %% ../nbs/02a_files.ipynb #7224b732
+# %% ../nbs/02a_files.ipynb #f4b0b046
 def cache_dir()->Path:
     "Where dali_fastai keeps its caches: `$XDG_CACHE_HOME/dali_fastai`, by default `~/.cache/dali_fastai`"
     return Path(os.environ.get('XDG_CACHE_HOME') or Path.home()/'.cache')/'dali_fastai'
@@ -89,7 +90,7 @@ def _save(path, checks):
         os.replace(tmp, path)
     except OSError as e: warnings.warn(f"could not write the file-check cache {str(path)!r} ({e}): the next start checks the files again")
 
-# %% ../nbs/02a_files.ipynb #0cdac38d
+# %% ../nbs/02a_files.ipynb #9a824ef6
 def _stat_key(f):
     try: st = os.stat(f)
     except OSError: return None
@@ -152,7 +153,7 @@ def remember_bad(bad:list, # `(file, reason)` pairs found bad some other way (e.
     folder = cache_dir() if cache is True else Path(cache)
     _store(folder, [(str(f), key, reason) for f,reason in bad if (key := _stat_key(f)) is not None])
 
-# %% ../nbs/02a_files.ipynb #ada62af8
+# %% ../nbs/02a_files.ipynb #23f7f961
 def describe_bad(bad:list, # `(file, reason)` pairs from `check_images`
                  root=None, # show paths relative to this folder
                  n:int=5, # how many to name

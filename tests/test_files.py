@@ -94,6 +94,12 @@ def test_gif_is_named_as_unsupported(tmp_path):
     assert check_image(tmp_path/'a.gif').startswith('GIF image, which DALI cannot decode')
 
 
+def test_loader_refuses_gif_saying_dali_cannot_decode_it(tmp_path):
+    rgb().save(tmp_path/'a.gif'); solid(tmp_path/'b.png')
+    with pytest.raises(ValueError, match=r"a\.gif' \(GIF image, which DALI cannot decode: convert it to PNG or JPEG\)"):
+        DaliDataLoader(ImageItems([tmp_path/'a.gif', tmp_path/'b.png'], [0, 0], ['a']), bs=2, size=8, device='cpu')
+
+
 def test_missing_and_directory(tmp_path):
     assert check_image(tmp_path/'nope.jpg') == 'file does not exist'
     (tmp_path/'d.jpg').mkdir()
@@ -275,6 +281,8 @@ UNUSUAL = {  # name: (writer of a 10×14 image of one colour, the RGB PIL's conv
     'a.tif':       (lambda f: solid(f, size=(14, 10)), (200, 40, 90)),
     'lzw.tif':     (lambda f: solid(f, size=(14, 10), compression='tiff_lzw'), (200, 40, 90)),
     'a.webp':      (lambda f: solid(f, size=(14, 10), lossless=True), (200, 40, 90)),
+    'a.jp2':       (lambda f: solid(f, size=(14, 10)), (200, 40, 90)),
+    'a.ppm':       (lambda f: solid(f, size=(14, 10)), (200, 40, 90)),
 }
 
 
