@@ -219,13 +219,15 @@ class DaliDataLoader:
             if epoch != self._epoch:
                 raise RuntimeError("another iter() of this loader started a new epoch while this one was running: a "
                                    "DaliDataLoader runs one epoch at a time; use dl.new() for a second, independent loader")
+            failure = None
             try: data = next(it)
             except StopIteration: break
             except RuntimeError as e:
                 if not _is_decode_failure(e): raise
-                msg = self._decode_failure(self._taken)
-                self.close()  # DALI's pipeline is dead after a failure
-                raise ValueError(msg) from e
+                failure = self._decode_failure(self._taken)
+            if failure is not None:  # raised outside `except`: DALI's error, and the dead pipeline it holds, are freed now
+                self.close(); del it
+                raise ValueError(failure)
             self._taken += 1
             yield self.after_batch(self._to_batch(data[0]))
         self._done = True

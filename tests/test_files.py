@@ -3,7 +3,7 @@ but unusual kind of image coming out as a 3-channel `size`×`size` batch.
 
 Every image is made with PIL in a temporary folder; all are tiny except one 8000×6000 JPEG. The check cache goes to a
 temporary `XDG_CACHE_HOME` (the `cache_home` fixture), never to the user's."""
-import os, warnings
+import gc, os, warnings
 from pathlib import Path
 
 import numpy as np
@@ -11,6 +11,7 @@ import pytest
 import torch
 from fastai.learner import Learner
 from PIL import Image, ImageOps
+from nvidia.dali.pipeline import Pipeline
 
 import dali_fastai.files as files_mod
 from dali_fastai.files import check_image, check_images, cache_dir, bad_files_message
@@ -237,6 +238,9 @@ def test_test_dl_and_predict_name_the_bad_file(learner, tmp_path, kind):
         assert f"cannot decode {str(f)!r}" in str(e.value) and 'nvImageCodec' not in str(e.value)
 
 
+def dali_pipelines(): return sum(isinstance(o, Pipeline) for o in gc.get_objects())
+
+
 @pytest.mark.parametrize('train', [False, True])
 @pytest.mark.parametrize('where', [1, 12])  # in the first batch, or in the seventh (DALI reports it there)
 def test_run_time_decode_failure_names_the_file(tmp_path, train, where):
@@ -246,11 +250,17 @@ def test_run_time_decode_failure_names_the_file(tmp_path, train, where):
     items = ImageItems(fs, [0]*15, ['a'])
     dl = DaliDataLoader(items, bs=2, size=8, device='cpu', train=True, warp_mode=None) if train else \
          DaliDataLoader(items, bs=2, size=8, device='cpu')
-    with pytest.raises(ValueError) as e: list(dl)
+    gc.collect(); gc.disable()
+    try:
+        before = dali_pipelines()
+        with pytest.raises(ValueError) as e: list(dl)
+        # the dead pipeline is freed at once, not left in a reference cycle for the garbage collector (which would run
+        # DALI's shutdown at a random later time, even in a forked child process, where it crashes)
+        assert dl._it is None and dali_pipelines() == before
+    finally: gc.enable()
     msg = str(e.value)
     assert repr(str(bad)) in msg and 'skip_bad_files=True' in msg and 'DALI could not decode' in msg, msg
     assert 'nvImageCodec' not in msg
-    assert dl._it is None  # the dead pipeline is freed
     # recorded in the check cache: a new loader refuses it up front, or leaves it out
     with pytest.raises(ValueError, match=bad.name): DaliDataLoader(ImageItems(fs, [0]*15, ['a']), bs=2, size=8, device='cpu')
     with pytest.warns(UserWarning, match=bad.name):
