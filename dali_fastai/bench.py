@@ -10,7 +10,7 @@ __all__ = ['BENCH_PHOTOS', 'bench_images', 'loader_throughput', 'Throughput', 'S
            'plot_results']
 
 # %% ../nbs/05_bench.ipynb #77154514
-import json, math, os, platform, statistics, time
+import gc, json, math, os, platform, statistics, time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 import numpy as np
@@ -89,6 +89,7 @@ def bench_images(dest:str|Path|None=None, # folder to write; default: ~/.cache/d
             (dest/split/name).mkdir(parents=True, exist_ok=True)
             jobs.append((name, dest/split/name/f'{i:05d}.jpg', [seed, c, i], min_size, max_size, quality))
     print(f"writing {len(jobs)} benchmark JPEGs to {dest}", flush=True)
+    gc.collect()  # free unreachable DALI pipelines now: a forked worker that collects one crashes in DALI's shutdown
     with ProcessPoolExecutor(workers or os.cpu_count()) as ex: list(ex.map(_bench_image, jobs, chunksize=16))
     marker.write_text(recipe)
     return dest
