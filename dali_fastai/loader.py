@@ -223,8 +223,10 @@ class DaliDataLoader:
             try: data = next(it)
             except StopIteration: break
             except RuntimeError as e:
-                if not _is_decode_failure(e): raise
+                if not _is_decode_failure(e): self.close(); raise
                 failure = self._decode_failure(self._taken)
+            except BaseException:  # e.g. Ctrl-C inside DALI: its iterator's state is unknown, so it is never reused
+                self.close(); raise
             if failure is not None:  # raised outside `except`: DALI's error, and the dead pipeline it holds, are freed now
                 self.close(); del it
                 raise ValueError(failure)
