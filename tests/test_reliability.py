@@ -76,37 +76,39 @@ def test_every_batch_taken_without_stop_iteration(files, train, drain_limit, pre
 
 # ---------------------------------------------------------------- Ctrl-C while DALI hands over a batch
 
-def _interrupt_inside_dali(dl, after:int):
-    """Read `after` batches, then raise KeyboardInterrupt inside DALI's `__next__` after it has taken a batch from the
+def _interrupt_inside_dali(dl):
+    """Make DALI's iterator raise KeyboardInterrupt once inside its `__next__`, after it has taken a batch from the
     pipeline and before it has counted it: where a real Ctrl-C lands, since the signal arrives while the main thread
     waits in `share_outputs` and Python runs its handler as soon as that call returns."""
-    it = iter(dl)
-    for _ in range(after): next(it)
     dali = dl._it  # (private) the DALIGenericIterator of the running epoch
     def schedule_runs(*args, **kwargs):
         del dali._schedule_runs  # once
         raise KeyboardInterrupt
     dali._schedule_runs = schedule_runs
-    with pytest.raises(KeyboardInterrupt): next(it)
-    return it
 
 
-DALI_STATE_BUG = ("DaliDataLoader.__iter__ keeps a DALIGenericIterator that an exception interrupted inside its "
-                  "__next__ (batch taken from the pipeline, not released, not counted); reset() then drains it, and "
-                  "every later epoch is off by one batch: the first batch's items missing, items of the next epoch "
-                  "in their place. Fix: on any BaseException from next(it) (and in _drain), close() the iterator so "
-                  "the next iter() rebuilds")
+DRAIN_BUG = ("DaliDataLoader._drain (called by reset() at the next iter()) keeps reading an iterator that an exception "
+             "interrupted inside DALI's __next__ (batch taken, not released, not counted): self._it is kept and the "
+             "next iter() drains it again, and every later epoch is off by one batch (the first batch's items missing, "
+             "items of the next epoch in their place). Fix: in _drain, on any BaseException close() and re-raise, as "
+             "__iter__ does")
 
 
-@pytest.mark.parametrize('drain_limit', [pytest.param(100, marks=pytest.mark.xfail(strict=True, reason=DALI_STATE_BUG)),
-                                         0], ids=['drain', 'rebuild'])
+@pytest.mark.parametrize('drain_limit,when', [(100, 'reading'), (0, 'reading'), pytest.param(
+    100, 'draining', marks=pytest.mark.xfail(strict=True, reason=DRAIN_BUG))], ids=['drain', 'rebuild', 'in_drain'])
 @pytest.mark.parametrize('train', [False, True], ids=['valid', 'train'])
-def test_keyboard_interrupt_inside_dali(files, train, drain_limit):
+def test_keyboard_interrupt_inside_dali(files, train, drain_limit, when):
+    "Ctrl-C inside DALI's `__next__` while an epoch is read, or while the next `iter()` drains an abandoned one"
     n = 23
     dl = index_loader(files[:n], 2, train=train, drop_last=False, seed=1, drain_limit=drain_limit)
-    kept = _interrupt_inside_dali(dl, after=5)
-    assert_whole(dl, n, epochs=2, where='after Ctrl-C inside DALI:')
-    del kept
+    it = iter(dl)
+    for _ in range(5): next(it)
+    _interrupt_inside_dali(dl)
+    with pytest.raises(KeyboardInterrupt):
+        if when == 'reading': next(it)
+        else:
+            for _ in dl: pass
+    assert_whole(dl, n, epochs=2, where=f'after Ctrl-C inside DALI while {when}:')
 
 
 @contextmanager
@@ -129,24 +131,23 @@ def interrupt_after(seconds:float):
 
 
 @pytest.mark.skipif(not hasattr(signal, 'pthread_kill'), reason='needs POSIX signals')
-@pytest.mark.parametrize('drain_limit', [pytest.param(1000, marks=pytest.mark.xfail(strict=True, reason=DALI_STATE_BUG)),
-                                         0], ids=['drain', 'rebuild'])
+@pytest.mark.parametrize('drain_limit', [1000, 0], ids=['drain', 'rebuild'])
 def test_keyboard_interrupt_at_random_moments(files, drain_limit):
-    "A real signal at random moments of 40 epochs: after each one the next epoch is whole"
+    "A real signal at random moments of 60 epochs: after each interrupted one the next epoch is whole"
     n = 64
     dl = index_loader(files[:n], 2, seed=0, drain_limit=drain_limit)
     t = time.monotonic(); epoch_items(dl); epoch_s = time.monotonic() - t
     rng,hits,bad = random.Random(0),0,[]
-    for trial in range(40):
+    for trial in range(60):
         try:
-            with interrupt_after(rng.uniform(0, 1)*epoch_s):
+            with interrupt_after(rng.uniform(0, 0.6)*epoch_s):
                 for _ in dl: pass
         except KeyboardInterrupt: hits += 1
         items = flat(epoch_items(dl))
         if items != list(range(n)):
             bad.append((trial, items))
             dl = index_loader(files[:n], 2, seed=0, drain_limit=drain_limit)  # count every trial, not one broken loader
-    assert hits >= 5, f"only {hits} of 40 epochs were interrupted: the test did not test"
+    assert hits >= 5, f"only {hits} of 60 epochs were interrupted: the test did not test"
     assert not bad, f"{len(bad)} of {hits} interrupted epochs broke the next one, e.g. trial {bad[0][0]}: {bad[0][1]}"
 
 
