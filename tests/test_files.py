@@ -270,10 +270,15 @@ def test_run_time_decode_failure_names_the_file(tmp_path, train, where):
 
 # ------------------------------------------------------------------------------------------------ unusual valid images
 
+# The unusual-image tests run on the CPU backend; on a GPU machine, `DALI_FASTAI_TEST_DEVICE=gpu` runs them through the
+# GPU decoders ('mixed'), whose format support differs from the CPU's.
+DEVICE = os.environ.get('DALI_FASTAI_TEST_DEVICE', 'cpu')
+
+
 def out_pixels(f, size=8, train=False, **kw):
-    "One image through a CPU loader: its 0..255 HWC pixels, after checking the batch is 3×size×size"
-    dl = DaliDataLoader(ImageItems([f], [0], ['a']), bs=1, size=size, device='cpu', train=train, seed=0, **kw)
-    x, = [b[0] for b in dl]
+    "One image through a loader on `DEVICE`: its 0..255 HWC pixels, after checking the batch is 3×size×size"
+    dl = DaliDataLoader(ImageItems([f], [0], ['a']), bs=1, size=size, device=DEVICE, train=train, seed=0, **kw)
+    x, = [b[0].cpu() for b in dl]
     assert tuple(x.shape) == (1, 3, size, size) and torch.isfinite(x).all()
     return denorm(x)[0].permute(1, 2, 0).numpy()
 
