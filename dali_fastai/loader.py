@@ -201,6 +201,8 @@ class DaliDataLoader:
         try:
             while True: next(self._it)
         except StopIteration: pass
+        except BaseException:  # e.g. Ctrl-C while draining: the iterator's state is unknown, so it is never reused
+            self.close(); raise
 
     def reset(self):
         "Make the next `iter()` start a whole epoch, whatever happened to the last one"

@@ -87,15 +87,8 @@ def _interrupt_inside_dali(dl):
     dali._schedule_runs = schedule_runs
 
 
-DRAIN_BUG = ("DaliDataLoader._drain (called by reset() at the next iter()) keeps reading an iterator that an exception "
-             "interrupted inside DALI's __next__ (batch taken, not released, not counted): self._it is kept and the "
-             "next iter() drains it again, and every later epoch is off by one batch (the first batch's items missing, "
-             "items of the next epoch in their place). Fix: in _drain, on any BaseException close() and re-raise, as "
-             "__iter__ does")
-
-
-@pytest.mark.parametrize('drain_limit,when', [(100, 'reading'), (0, 'reading'), pytest.param(
-    100, 'draining', marks=pytest.mark.xfail(strict=True, reason=DRAIN_BUG))], ids=['drain', 'rebuild', 'in_drain'])
+@pytest.mark.parametrize('drain_limit,when', [(100, 'reading'), (0, 'reading'), (100, 'draining')],
+                         ids=['drain', 'rebuild', 'in_drain'])
 @pytest.mark.parametrize('train', [False, True], ids=['valid', 'train'])
 def test_keyboard_interrupt_inside_dali(files, train, drain_limit, when):
     "Ctrl-C inside DALI's `__next__` while an epoch is read, or while the next `iter()` drains an abandoned one"
