@@ -2,12 +2,14 @@
 
 Import explicitly (`from helpers import ...`): pytest puts `tests/` on `sys.path` (rootdir-relative import, no
 `__init__.py`)."""
+import importlib.util
 from pathlib import Path
 
 import numpy as np
 import torch
 from PIL import Image
 from torch import nn
+from fastai.callback.core import Callback
 
 from dali_fastai.datasets import fashion_mnist, FASHION_MNIST_CLASSES
 from dali_fastai.loader import DaliDataLoader, ImageItems
@@ -84,3 +86,31 @@ def fmnist_subset(n_per_class:int=30, split:str='train')->tuple:
 def tiny_model(c:int)->nn.Module:
     "A model for tests where the architecture is not the point: mean colour → `c` logits"
     return nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(3, c))
+
+
+class Items(Callback):
+    "Record the items each training and validation phase sees"
+    order = -5
+    def before_fit(self): self.train_items,self.valid_items = [],[]
+    def before_train(self): self.train_items.append([])
+    def before_validate(self): self.valid_items.append([])
+    def before_batch(self): (self.train_items if self.training else self.valid_items)[-1].extend(self.y.tolist())
+
+
+class RaiseAt(Callback):
+    "Raise `exc` after the `n`-th batch (1-based) of the first training (or validation) phase"
+    order = 10
+    def __init__(self, exc, n=2, in_train=True): self.exc,self.n,self.in_train,self.done = exc,n,in_train,False
+    def after_batch(self):
+        if self.done or self.training != self.in_train or self.iter + 1 != self.n: return
+        self.done = True
+        raise self.exc('raised by a test callback')
+
+
+def load_tool(name):
+    "Import `tools/<name>.py` by path (tools/ is a folder of scripts, not a package)"
+    root = Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location(f'tools_{name}', root/'tools'/f'{name}.py')
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

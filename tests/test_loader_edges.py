@@ -20,7 +20,8 @@ from fastai.losses import CrossEntropyLossFlat
 from PIL import Image
 
 from dali_fastai.loader import DaliDataLoader, DaliDataLoaders, ImageItems
-from helpers import MAX_INDEX, make_index_images, index_items, index_loader, epoch_items, fmnist_subset, tiny_model
+from helpers import (MAX_INDEX, make_index_images, index_items, index_loader, epoch_items, fmnist_subset, tiny_model,
+                     Items, RaiseAt)
 
 N_FILES = 64
 
@@ -157,25 +158,6 @@ def test_abandoned_train_drop_last(files, drain_limit):
 
 # ---------------------------------------------------------------- inside a Learner
 
-class Items(Callback):
-    "Record the items each training and validation phase sees"
-    order = -5
-    def before_fit(self): self.train_items,self.valid_items = [],[]
-    def before_train(self): self.train_items.append([])
-    def before_validate(self): self.valid_items.append([])
-    def before_batch(self): (self.train_items if self.training else self.valid_items)[-1].extend(self.y.tolist())
-
-
-class Raise(Callback):
-    "Raise `exc` in the `n`-th batch (1-based) of the first training (or validation) phase"
-    order = 10
-    def __init__(self, exc, n=2, in_train=True): self.exc,self.n,self.in_train,self.done = exc,n,in_train,False
-    def after_batch(self):
-        if self.done or self.training != self.in_train or self.iter + 1 != self.n: return
-        self.done = True
-        raise self.exc('raised by a test callback')
-
-
 N_TRAIN,N_VALID,BS = 40,13,4  # 10 train batches, 4 valid batches
 
 
@@ -207,7 +189,7 @@ def test_learner_epoch_after_callback_cancel(files, tmp_path, kind, drain_limit)
     exc,in_train = ABANDON_IN_FIT[kind]
     learn = _learner(files, drain_limit, tmp_path)
     items = learn.cbs.filter(lambda cb: isinstance(cb, Items))[0]
-    stop = Raise(exc, n=2, in_train=in_train)
+    stop = RaiseAt(exc, n=2, in_train=in_train)
     if exc is RuntimeError:
         with pytest.raises(RuntimeError, match='raised by a test callback'): learn.fit(2, cbs=stop)
     else: learn.fit(2, cbs=stop)
@@ -219,7 +201,7 @@ def test_learner_epoch_after_callback_cancel(files, tmp_path, kind, drain_limit)
     learn.fit(1)
     _assert_whole_train(items.train_items[0], 'the fit after')
     assert items.valid_items == [VALID_ITEMS]
-    learn.fit(1, cbs=Raise(CancelFitException, n=3, in_train=True))
+    learn.fit(1, cbs=RaiseAt(CancelFitException, n=3, in_train=True))
     assert learn.validate() is not None
     assert items.valid_items[-1] == VALID_ITEMS, "validate() after a cancelled fit sees every valid item once, in order"
 

@@ -1,19 +1,12 @@
 "README.md is generated from the index notebook: it must not drift, and the drift check must be able to fail"
-import importlib.util, json, shutil, subprocess, sys
+import json, shutil, subprocess, sys
 from pathlib import Path
 
 import pytest
 
+from helpers import load_tool
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_tool(name):
-    "Import `tools/<name>.py` by path (tools/ is a folder of scripts, not a package)"
-    spec = importlib.util.spec_from_file_location(f'tools_{name}', ROOT/'tools'/f'{name}.py')
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
 rd = load_tool('readme')
 INDEX = rd.index_nb(ROOT)
 

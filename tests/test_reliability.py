@@ -16,7 +16,7 @@ from fastai.learner import Learner
 from fastai.losses import CrossEntropyLossFlat
 
 from dali_fastai.loader import DaliDataLoader, DaliDataLoaders
-from helpers import MAX_INDEX, make_index_images, index_items, index_loader, epoch_items, tiny_model
+from helpers import MAX_INDEX, make_index_images, index_items, index_loader, epoch_items, tiny_model, Items, RaiseAt
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -145,25 +145,6 @@ def test_keyboard_interrupt_at_random_moments(files, drain_limit):
 
 
 # ---------------------------------------------------------------- inside a Learner: Ctrl-C, CancelEpoch, get_preds
-
-class Items(Callback):
-    "Record the items each training and validation phase sees"
-    order = -5
-    def before_fit(self): self.train_items,self.valid_items = [],[]
-    def before_train(self): self.train_items.append([])
-    def before_validate(self): self.valid_items.append([])
-    def before_batch(self): (self.train_items if self.training else self.valid_items)[-1].extend(self.y.tolist())
-
-
-class RaiseAt(Callback):
-    "Raise `exc` after the `n`-th batch (1-based) of the first training (or validation) phase"
-    order = 10
-    def __init__(self, exc, n=2, in_train=True): self.exc,self.n,self.in_train,self.done = exc,n,in_train,False
-    def after_batch(self):
-        if self.done or self.training != self.in_train or self.iter + 1 != self.n: return
-        self.done = True
-        raise self.exc()
-
 
 N_TRAIN,N_VALID,BS = 40,13,4  # 10 train batches, 4 valid batches
 TRAIN_ITEMS,VALID_ITEMS = list(range(N_TRAIN)),list(range(N_TRAIN, N_TRAIN + N_VALID))

@@ -1,19 +1,12 @@
 "settings.ini is generated from pyproject.toml: it must not drift, the drift check must be able to fail, and nbdev agrees"
-import importlib.util, re, shutil, subprocess, sys
+import re, shutil, subprocess, sys
 from pathlib import Path
 
 import pytest
 
+from helpers import load_tool
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_tool(name):
-    "Import `tools/<name>.py` by path (tools/ is a folder of scripts, not a package)"
-    spec = importlib.util.spec_from_file_location(f'tools_{name}', ROOT/'tools'/f'{name}.py')
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
 si = load_tool('settings_ini')
 LIB = si.settings(ROOT)['lib_path']
 
