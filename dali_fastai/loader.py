@@ -341,6 +341,15 @@ def _label_ids(labels, vocab, where):
                                  f"{' ...' if len(missing) > 5 else ''}; every valid class needs training images")
     return [idx[l] for l in labels]
 
+def _check_class_folders(path, splits, files):
+    "Raise if a class folder under `path/<split>` holds no image: it would silently not be a class"
+    found = {f.parent for f in files}
+    empty = [d for s in splits if (path/s).is_dir() for d in sorted((path/s).iterdir()) if d.is_dir() and d not in found]
+    if empty:
+        names = [str(d.relative_to(path)) for d in empty]
+        raise ValueError(f"class folder(s) with no images: {names[:5]}{' ...' if len(names) > 5 else ''}: add images "
+                         "to them or remove them")
+
 def _check_files(files, where):
     if len(files) == 0:
         raise ValueError(f"no images in {where}: check the path and folder names (fastai's get_image_files finds the images)")
@@ -418,11 +427,13 @@ class DaliDataLoaders(DataLoaders):
         if valid_pct is not None:
             files = get_image_files(path/train)
             _check_files(files, str(path/train))
+            _check_class_folders(path, [train], files)
             return cls.from_lists(path, files, [parent_label(f) for f in files], valid_pct=valid_pct, seed=seed,
                                   vocab=vocab, **kwargs)
         files = get_image_files(path, folders=[train, valid])
         t,v = GrandparentSplitter(train_name=train, valid_name=valid)(files)
         _check_files(t, str(path/train)); _check_files(v, str(path/valid))
+        _check_class_folders(path, [train, valid], files)
         return cls.from_splits(path, files[t], [parent_label(f) for f in files[t]],
                                files[v], [parent_label(f) for f in files[v]], vocab=vocab, seed=seed, **kwargs)
 

@@ -426,3 +426,19 @@ def test_shuffle_honoured_by_a_valid_style_loader(files):
 def test_valid_order_is_fixed(files):
     dl = index_loader(files[:10], 3, seed=0)
     assert [flat(epoch_items(dl)) for _ in range(3)] == [list(range(10))]*3
+
+
+def test_empty_class_folder_is_an_error(tmp_path):
+    "An empty class folder would silently not be a class: the error names it"
+    for split,n in (('train', 4), ('valid', 2)):
+        for cls in ('cat', 'dog'):
+            (tmp_path/split/cls).mkdir(parents=True)
+            for i in range(n): Image.new('RGB', (8, 8), (40*i, 90, 10)).save(tmp_path/split/cls/f'{i}.png')
+    (tmp_path/'valid'/'bird').mkdir()
+    with pytest.raises(ValueError, match=r"class folder\(s\) with no images: \['valid/bird'\]"):
+        DaliDataLoaders.from_folder(tmp_path, bs=2, size=8, device='cpu')
+    (tmp_path/'train'/'bird').mkdir()
+    with pytest.raises(ValueError, match=r"\['train/bird'\]"):
+        DaliDataLoaders.from_folder(tmp_path, valid_pct=0.25, bs=2, size=8, device='cpu')
+    (tmp_path/'train'/'bird').rmdir(); (tmp_path/'valid'/'bird').rmdir()
+    assert DaliDataLoaders.from_folder(tmp_path, bs=2, size=8, device='cpu').vocab == ['cat', 'dog']
