@@ -10,9 +10,11 @@ import torch
 from PIL import Image
 from torch import nn
 from fastai.callback.core import Callback
+from fastai.learner import Learner
+from fastai.losses import CrossEntropyLossFlat
 
 from dali_fastai.datasets import fashion_mnist, FASHION_MNIST_CLASSES
-from dali_fastai.loader import DaliDataLoader, ImageItems
+from dali_fastai.loader import DaliDataLoader, DaliDataLoaders, ImageItems
 from dali_fastai.pipeline import IMAGENET_MEAN, IMAGENET_STD
 
 MAX_INDEX = 256  # `index_colour` encodes 0 .. 255
@@ -114,3 +116,16 @@ def load_tool(name):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+N_TRAIN,N_VALID,BS = 40,13,4  # `index_learner`: 10 train batches, 4 valid batches
+
+
+def index_learner(files, tmp_path, drain_limit=4):
+    "A tiny-model `Learner` over the first `N_TRAIN` index images (train) and the next `N_VALID` (valid), recording `Items`"
+    train = DaliDataLoader(index_items(files[:N_TRAIN]), bs=BS, size=8, train=True, device='cpu', seed=0,
+                           drain_limit=drain_limit)
+    valid = DaliDataLoader(index_items(files[N_TRAIN:N_TRAIN + N_VALID]), bs=BS, size=8, device='cpu',
+                           drain_limit=drain_limit)
+    dls = DaliDataLoaders(train, valid, path=tmp_path, device='cpu')
+    return Learner(dls, tiny_model(MAX_INDEX), loss_func=CrossEntropyLossFlat(), path=tmp_path, cbs=Items())

@@ -21,7 +21,7 @@ from PIL import Image
 
 from dali_fastai.loader import DaliDataLoader, DaliDataLoaders, ImageItems
 from helpers import (MAX_INDEX, make_index_images, index_items, index_loader, epoch_items, fmnist_subset, tiny_model,
-                     Items, RaiseAt)
+                     Items, RaiseAt, index_learner, N_TRAIN, N_VALID, BS)
 
 N_FILES = 64
 
@@ -158,18 +158,6 @@ def test_abandoned_train_drop_last(files, drain_limit):
 
 # ---------------------------------------------------------------- inside a Learner
 
-N_TRAIN,N_VALID,BS = 40,13,4  # 10 train batches, 4 valid batches
-
-
-def _learner(files, drain_limit, tmp_path):
-    train = DaliDataLoader(index_items(files[:N_TRAIN]), bs=BS, size=8, train=True, device='cpu', seed=0,
-                           drain_limit=drain_limit)
-    valid = DaliDataLoader(index_items(files[N_TRAIN:N_TRAIN + N_VALID]), bs=BS, size=8, device='cpu',
-                           drain_limit=drain_limit)
-    dls = DaliDataLoaders(train, valid, path=tmp_path, device='cpu')
-    return Learner(dls, tiny_model(MAX_INDEX), loss_func=CrossEntropyLossFlat(), path=tmp_path, cbs=Items())
-
-
 VALID_ITEMS = list(range(N_TRAIN, N_TRAIN + N_VALID))
 
 def _assert_whole_train(items, where):
@@ -187,7 +175,7 @@ ABANDON_IN_FIT = {
 @pytest.mark.parametrize('kind', list(ABANDON_IN_FIT))
 def test_learner_epoch_after_callback_cancel(files, tmp_path, kind, drain_limit):
     exc,in_train = ABANDON_IN_FIT[kind]
-    learn = _learner(files, drain_limit, tmp_path)
+    learn = index_learner(files, tmp_path, drain_limit)
     items = learn.cbs.filter(lambda cb: isinstance(cb, Items))[0]
     stop = RaiseAt(exc, n=2, in_train=in_train)
     if exc is RuntimeError:
@@ -208,7 +196,7 @@ def test_learner_epoch_after_callback_cancel(files, tmp_path, kind, drain_limit)
 
 @pytest.mark.parametrize('drain_limit', [100, 0], ids=['drain', 'rebuild'])
 def test_learner_fit_after_lr_find(files, tmp_path, drain_limit):
-    learn = _learner(files, drain_limit, tmp_path)
+    learn = index_learner(files, tmp_path, drain_limit)
     items = learn.cbs.filter(lambda cb: isinstance(cb, Items))[0]
     builds = learn.dls.train._builds
     learn.lr_find(num_it=6, stop_div=False, show_plot=False)  # stops after 6 of the 10 batches

@@ -16,7 +16,8 @@ from fastai.learner import Learner
 from fastai.losses import CrossEntropyLossFlat
 
 from dali_fastai.loader import DaliDataLoader, DaliDataLoaders
-from helpers import MAX_INDEX, make_index_images, index_items, index_loader, epoch_items, tiny_model, Items, RaiseAt
+from helpers import (MAX_INDEX, make_index_images, index_items, index_loader, epoch_items, tiny_model, Items, RaiseAt,
+                     index_learner, N_TRAIN, N_VALID, BS)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -146,17 +147,7 @@ def test_keyboard_interrupt_at_random_moments(files, drain_limit):
 
 # ---------------------------------------------------------------- inside a Learner: Ctrl-C, CancelEpoch, get_preds
 
-N_TRAIN,N_VALID,BS = 40,13,4  # 10 train batches, 4 valid batches
 TRAIN_ITEMS,VALID_ITEMS = list(range(N_TRAIN)),list(range(N_TRAIN, N_TRAIN + N_VALID))
-
-
-def _learner(files, tmp_path, drain_limit=4):
-    train = DaliDataLoader(index_items(files[:N_TRAIN]), bs=BS, size=8, train=True, device='cpu', seed=0,
-                           drain_limit=drain_limit)
-    valid = DaliDataLoader(index_items(files[N_TRAIN:N_TRAIN + N_VALID]), bs=BS, size=8, device='cpu',
-                           drain_limit=drain_limit)
-    dls = DaliDataLoaders(train, valid, path=tmp_path, device='cpu')
-    return Learner(dls, tiny_model(MAX_INDEX), loss_func=CrossEntropyLossFlat(), path=tmp_path, cbs=Items())
 
 
 def items_of(learn): return learn.cbs.filter(lambda cb: isinstance(cb, Items))[0]
@@ -173,7 +164,7 @@ def _assert_fit_whole(learn, epochs, where):
 @pytest.mark.parametrize('in_train', [True, False], ids=['in_train', 'in_valid'])
 def test_keyboard_interrupt_from_a_callback(files, tmp_path, in_train, drain_limit):
     "Ctrl-C inside `fit` (fastai lets KeyboardInterrupt through): the next fit and validate() are whole"
-    learn = _learner(files, tmp_path, drain_limit)
+    learn = index_learner(files, tmp_path, drain_limit)
     with pytest.raises(KeyboardInterrupt): learn.fit(2, cbs=RaiseAt(KeyboardInterrupt, n=2, in_train=in_train))
     rec = items_of(learn)
     assert len(rec.train_items[0]) == (2*BS if in_train else N_TRAIN)
@@ -185,7 +176,7 @@ def test_keyboard_interrupt_from_a_callback(files, tmp_path, in_train, drain_lim
 @pytest.mark.parametrize('drain_limit', [100, 0], ids=['drain', 'rebuild'])
 def test_cancel_epoch_in_validation(files, tmp_path, drain_limit):
     "CancelEpochException raised while validating ends that epoch; the next epoch's training and validation are whole"
-    learn = _learner(files, tmp_path, drain_limit)
+    learn = index_learner(files, tmp_path, drain_limit)
     learn.fit(3, cbs=RaiseAt(CancelEpochException, n=2, in_train=False))
     rec = items_of(learn)
     assert rec.valid_items[0] == VALID_ITEMS[:2*BS], "the cancelled validation stopped after 2 batches"
@@ -211,7 +202,7 @@ class GetPredsMidEpoch(Callback):
 @pytest.mark.parametrize('drain_limit', [100, 0], ids=['drain', 'rebuild'])
 @pytest.mark.parametrize('ds_idx', [1, 0], ids=['valid', 'train'])
 def test_get_preds_in_the_middle_of_training(files, tmp_path, ds_idx, drain_limit):
-    learn = _learner(files, tmp_path, drain_limit)
+    learn = index_learner(files, tmp_path, drain_limit)
     cb = GetPredsMidEpoch(ds_idx)
     learn.fit(2, cbs=cb)
     preds,targs = cb.res
@@ -334,7 +325,7 @@ def test_no_growth_over_epochs(files, drain_limit):
 @needs_proc
 def test_no_growth_over_fits_and_get_preds(files, tmp_path):
     "fit and get_preds (which builds a loader of its own each call) ten times over"
-    learn = _learner(files, tmp_path)
+    learn = index_learner(files, tmp_path)
     def rounds(k):
         for _ in range(k):
             learn.fit(1)
