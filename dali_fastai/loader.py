@@ -395,6 +395,9 @@ class DaliDataLoaders(DataLoaders):
         if len(train) == 0:
             raise ValueError(f"bs={bs} is larger than the {len(train_files)} training images, and training drops the last "
                              "partial batch: use a smaller bs")
+        if valid.bs > len(valid_files):
+            raise ValueError(f"val_bs={valid.bs} is larger than the {len(valid_files)} validation images, so no validation batch "
+                             f"would be full: pass val_bs={len(valid_files)} (or less), or hold out more images for validation")
         return cls(train, valid, path=path, device=train.device)
 
     @classmethod

@@ -293,6 +293,19 @@ def test_bad_bs_and_size(files):
         DaliDataLoaders.from_splits('.', files[:4], [0, 1, 0, 1], files[4:6], [0, 1], bs=2, size=0, device='cpu')
 
 
+def test_bs_larger_than_the_sets(files):
+    "A bs the training set cannot fill once is an error; so is a valid batch size larger than the validation set"
+    with pytest.raises(ValueError, match='bs=5 is larger than the 4 training images'):
+        DaliDataLoaders.from_splits('.', files[:4], [0, 1, 0, 1], files[4:6], [0, 1], bs=5, size=8, device='cpu')
+    with pytest.raises(ValueError, match=r'val_bs=3 is larger than the 2 validation images.*pass val_bs=2'):
+        DaliDataLoaders.from_splits('.', files[:4], [0, 1, 0, 1], files[4:6], [0, 1], bs=3, size=8, device='cpu')
+    with pytest.raises(ValueError, match='val_bs=4 is larger than the 2 validation images'):
+        DaliDataLoaders.from_splits('.', files[:8], [0, 1]*4, files[8:10], [0, 1], bs=2, val_bs=4, size=8, device='cpu')
+    dls = DaliDataLoaders.from_splits('.', files[:4], [0, 1, 0, 1], files[4:6], [0, 1], bs=3, val_bs=2, size=8, device='cpu')
+    assert [len(b[0]) for b in dls.valid] == [2]
+    assert [len(b[0]) for b in dls.test_dl(files[:1])] == [1], "test_dl (and predict) take any number of items"
+
+
 def test_labels_files_mismatch(files):
     with pytest.raises(ValueError, match='3 files but 2 labels'): ImageItems(files[:3], [0, 1], ['a', 'b'])
     with pytest.raises(ValueError, match='3 files but 2 labels'):
