@@ -26,8 +26,11 @@ def read_files(files:list, # image paths
                name:str='Reader', # the name iterators use to find the epoch size
               )->tuple: # (encoded images, labels) DataNodes
     "Read encoded images and their labels from explicit lists, with whole-epoch padding so no sample is repeated"
+    # in order, shard `shard_id` is always the same slice; shuffled, DALI reshuffles the whole list and moves each
+    # shard to the next slice every epoch (it allows no other way)
     return fn.readers.file(files=[str(f) for f in files], labels=[int(l) for l in labels], name=name,
-                           shuffle_after_epoch=shuffle, pad_last_batch=True, shard_id=shard_id, num_shards=num_shards)
+                           shuffle_after_epoch=shuffle, pad_last_batch=True, shard_id=shard_id, num_shards=num_shards,
+                           stick_to_shard=not shuffle)
 
 # %% ../nbs/02_pipeline.ipynb #4294b738
 def shuffled(files:list, # image paths
@@ -129,11 +132,12 @@ def new_pipeline(bs:int, # batch size
                  num_threads:int|None=None, # CPU threads; None: `default_threads()`
                  seed:int|None=None, # seed of every random operator; None: random
                  prefetch:int=2, # batches prepared ahead
+                 checkpoint:bytes|None=None, # a DALI checkpoint to resume from (`Pipeline.checkpoint()`)
                 )->Pipeline:
-    "An empty DALI `Pipeline` to build a graph in"
+    "An empty DALI `Pipeline` to build a graph in, with checkpointing on (it costs nothing until a checkpoint is taken)"
     if bs < 1: raise ValueError(f"bs must be at least 1, got {bs}")
     return Pipeline(batch_size=bs, num_threads=num_threads or default_threads(), device_id=device_id,
-                    seed=seed, prefetch_queue_depth=prefetch)
+                    seed=seed, prefetch_queue_depth=prefetch, enable_checkpointing=True, checkpoint=checkpoint)
 
 # %% ../nbs/02_pipeline.ipynb #41b9d051
 def on_device(x:DataNode, device_id:int|None)->DataNode:
@@ -158,12 +162,14 @@ def train_pipeline(files:list, # image paths
                    dtype:str='float32', # 'float32' or 'float16'
                    shard_id:int=0, # this process's shard
                    num_shards:int=1, # number of shards
+                   order_seed:int|None=None, # seed of the first epoch's order; default: `seed` (DDP ranks share it)
+                   checkpoint:bytes|None=None, # a DALI checkpoint of this pipeline to resume from
                    **aug, # passed to `augment`: p_hflip, p_vflip, rotate_range, p_rotate, warp_mode, warps, ...
                   )->Pipeline: # outputs `images` (N,3,size,size) and `labels` (N,1) int32
     "The training pipeline: shuffled reader → random-resized-crop decode → `augment` → `normalize`"
     if size < 1: raise ValueError(f"size must be a positive number of pixels, got {size}")
-    if shuffle: files,labels = shuffled(files, labels, seed)
-    pipe = new_pipeline(bs, device_id, num_threads, seed, prefetch)
+    if shuffle: files,labels = shuffled(files, labels, seed if order_seed is None else order_seed)
+    pipe = new_pipeline(bs, device_id, num_threads, seed, prefetch, checkpoint)
     with pipe:
         encoded,lbls = read_files(files, labels, shuffle=shuffle, shard_id=shard_id, num_shards=num_shards)
         images = decode_random_crop(encoded, size, device_id, area=area, ratio=ratio, hw_decoder_load=hw_decoder_load)
@@ -188,11 +194,13 @@ def valid_pipeline(files:list, # image paths
                    dtype:str='float32', # 'float32' or 'float16'
                    shard_id:int=0, # this process's shard
                    num_shards:int=1, # number of shards
+                   order_seed:int|None=None, # seed of the first epoch's order; default: `seed` (DDP ranks share it)
+                   checkpoint:bytes|None=None, # a DALI checkpoint of this pipeline to resume from
                   )->Pipeline: # outputs `images` (N,3,size,size) and `labels` (N,1) int32
     "The validation pipeline: reader (in order by default) → decode → resize shorter side → centre crop → `normalize`"
     if size < 1: raise ValueError(f"size must be a positive number of pixels, got {size}")
-    if shuffle: files,labels = shuffled(files, labels, seed)
-    pipe = new_pipeline(bs, device_id, num_threads, seed, prefetch)
+    if shuffle: files,labels = shuffled(files, labels, seed if order_seed is None else order_seed)
+    pipe = new_pipeline(bs, device_id, num_threads, seed, prefetch, checkpoint)
     with pipe:
         encoded,lbls = read_files(files, labels, shuffle=shuffle, shard_id=shard_id, num_shards=num_shards)
         images = decode_center_crop(encoded, size, device_id, crop_pct, hw_decoder_load)
