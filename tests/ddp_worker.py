@@ -1,0 +1,62 @@
+"""One rank of a DDP run through fastai's `learn.distrib_ctx()` with `DaliDistributed`; writes what it saw as JSON.
+
+Run by tests/test_distributed.py on the CPU (gloo):  python -m torch.distributed.run --nproc_per_node 2 tests/ddp_worker.py OUT
+On GPUs:  torchrun --nproc_per_node 2 tests/ddp_worker.py OUT --device gpu"""
+import argparse, json, os, sys, time
+from pathlib import Path
+
+import torch
+from torch import nn
+from fastai.callback.core import Callback
+from fastai.distributed import *  # noqa: F401,F403 (adds Learner.distrib_ctx)
+from fastai.learner import Learner
+from fastai.losses import CrossEntropyLossFlat
+from fastai.metrics import accuracy
+
+sys.path.insert(0, str(Path(__file__).parent))
+from helpers import make_index_images, index_items, MAX_INDEX
+from dali_fastai.loader import DaliDataLoaders, DaliDataLoader
+from dali_fastai.distributed import DaliDistributed
+
+
+class Record(Callback):
+    "The items of every batch, by phase and epoch"
+    order = 100
+    def before_fit(self): self.seen = {'train': [], 'valid': []}
+    def before_epoch(self): self.seen['train'].append([]); self.seen['valid'].append([])
+    def after_batch(self): self.seen['train' if self.training else 'valid'][-1] += self.yb[0].tolist()
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument('out'); p.add_argument('--device', default='cpu'); p.add_argument('--n-train', type=int, default=61)
+    p.add_argument('--n-valid', type=int, default=23); p.add_argument('--bs', type=int, default=4)
+    a = p.parse_args()
+    rank, world = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])
+    out = Path(a.out)
+    files = make_index_images(out/'images', a.n_train + a.n_valid) if rank == 0 else None
+    if rank != 0:
+        while not (out/'images'/f'{a.n_train + a.n_valid - 1:03d}.png').exists(): time.sleep(0.05)
+        time.sleep(0.2)
+        files = sorted((out/'images').glob('*.png'))
+    train,valid = index_items(files[:a.n_train]),index_items(files[a.n_train:])
+    dls = DaliDataLoaders(DaliDataLoader(train, bs=a.bs, size=8, train=True, device=a.device, warp_mode=None),
+                          DaliDataLoader(valid, bs=a.bs, size=8, device=a.device), path=out, device=a.device)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Flatten(), nn.Linear(3*8*8, MAX_INDEX))
+    rec = Record()
+    learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), metrics=accuracy, cbs=[DaliDistributed(), rec])
+    kw = dict(sync_bn=False, cpu=True) if a.device == 'cpu' else {}
+    with learn.distrib_ctx(**kw):
+        with learn.no_bar(): learn.fit(2, 1e-2)
+        seen,ddp_valid = rec.seen,learn.recorder.values[-1][1:]
+        lens = [len(learn.dls.train), len(learn.dls.valid)]
+        with learn.no_bar(): preds,targs = learn.get_preds()
+    whole = learn.validate()  # outside the context: one process, the whole validation set
+    res = dict(rank=rank, world=world, lens=lens, seen=seen, targs=targs.tolist(), n_preds=len(preds),
+               ddp_valid=[float(v) for v in ddp_valid], whole_valid=[float(v) for v in whole],
+               seed=dls.train.seed, device=str(dls.train.device))
+    (out/f'rank{rank}.json').write_text(json.dumps(res))
+
+
+if __name__ == '__main__': main()

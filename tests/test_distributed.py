@@ -1,0 +1,217 @@
+"""DDP sharding (simulated ranks, and a real two-process run on the CPU through fastai's `distrib_ctx`), and resuming
+mid-epoch from a checkpoint."""
+import json, os, socket, subprocess, sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+from fastai.callback.core import Callback, CancelFitException
+from fastai.callback.schedule import fit_one_cycle  # noqa: F401 (adds Learner.fit_one_cycle)
+from fastai.callback.tracker import SaveModelCallback
+from fastai.distributed import DistributedDL
+from fastai.learner import Learner
+from fastai.losses import CrossEntropyLossFlat
+
+from helpers import make_index_images, index_items, index_loader, epoch_items, MAX_INDEX
+from dali_fastai.loader import DaliDataLoaders, DaliDataLoader, batches_per_rank, shard_sizes
+from dali_fastai.distributed import DaliCheckpoint, DaliDistributed, DaliShard, STATE_KEY
+
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope='module')
+def files(tmp_path_factory): return make_index_images(tmp_path_factory.mktemp('index'), 70)
+
+
+def flat(batches): return [i for b in batches for i in b]
+
+
+# ---------------------------------------------------------------- simulated ranks: shards, counts, exactly once
+
+GRID = [(n, bs, w) for w in (2, 3, 4) for bs in (1, 2, 7) for n in sorted({w, w*bs - 1, w*bs, w*bs + 1, 2*w*bs + 1, 31})
+        if n >= w]
+
+
+@pytest.mark.parametrize('n,bs,world', GRID, ids=[f'n{n}-bs{bs}-w{w}' for n,bs,w in GRID])
+def test_valid_shards_cover_every_item_once_in_order(files, n, bs, world):
+    ranks = [index_loader(files[:n], bs, seed=0).shard(r, world) for r in range(world)]
+    got = [epoch_items(dl) for dl in ranks]
+    assert [len(b) for b in got] == [len(ranks[0])]*world == [batches_per_rank(n, bs, world, pad=True)]*world
+    gathered = [i for k in range(len(ranks[0])) for b in got for i in b[k]]
+    assert gathered == list(range(n)), "batch k of rank 0, 1, ... is the items in order, each once"
+
+
+@pytest.mark.parametrize('drop_last', [True, False])
+@pytest.mark.parametrize('n,bs,world', GRID, ids=[f'n{n}-bs{bs}-w{w}' for n,bs,w in GRID])
+def test_train_shards_in_step_and_disjoint(files, n, bs, world, drop_last):
+    ranks = [index_loader(files[:n], bs, train=True, drop_last=drop_last, seed=3, warp_mode=None).shard(r, world)
+             for r in range(world)]
+    want = batches_per_rank(n, bs, world, drop_last)
+    assert want == min(len(b) for b in [range(x // bs if drop_last else -(-x // bs)) for x in shard_sizes(n, world)])
+    epochs = []
+    for _ in range(3):
+        got = [epoch_items(dl) for dl in ranks]
+        assert [len(b) for b in got] == [want]*world, "every rank takes the same number of steps"
+        if drop_last: assert all(len(b) == bs for r in got for b in r)
+        seen = flat(flat(got))
+        assert len(seen) == len(set(seen)), "no item twice in an epoch, on any rank"
+        assert len(seen) >= n - world*bs, "at most a batch a rank left for a later epoch"
+        epochs.append([flat(r) for r in got])
+    if n > bs*world: assert epochs[0] != epochs[1] != epochs[2], "every epoch a new order"
+
+
+def test_ranks_draw_their_own_augmentation(files):
+    "Same order stream, different augmentation streams: rank seeds differ, the order seed does not"
+    dls = [index_loader(files[:40], 4, train=True, seed=5).shard(r, 2) for r in range(2)]
+    for dl in dls: list(dl)
+    assert dls[0]._order_seed == dls[1]._order_seed
+    assert dls[0]._seed(0) is not None
+
+
+def test_shard_errors(files):
+    with pytest.raises(ValueError, match='every rank must draw the same order'): index_loader(files[:8], 2).shard(0, 2)
+    with pytest.raises(ValueError, match='rank must be in 0..1'): index_loader(files[:8], 2, seed=0).shard(2, 2)
+    with pytest.raises(ValueError, match='3 items cannot be split between 4 ranks'): index_loader(files[:3], 2, seed=0).shard(0, 4)
+
+
+def test_shared_seed_regenerates_the_fixed_warps(files):
+    "A loader made without a seed takes the seed rank 0 sent, and its fixed warps with it: the same on every rank"
+    a,b = [index_loader(files[:20], 4, train=True) for _ in range(2)]
+    assert not (a.aug['warps'] == b.aug['warps']).all()
+    a.shard(0, 2, seed=11); b.shard(1, 2, seed=11)
+    assert (a.aug['warps'] == b.aug['warps']).all() and a.seed == b.seed == 11
+
+
+def test_unshard_restores_the_whole_set(files):
+    dl = index_loader(files[:9], 2, seed=0).shard(0, 2)
+    assert epoch_items(dl) == [[0, 1], [4, 5], []], "shards of 4 and 5: rank 0 gets an empty third batch"
+    dl.shard(0, 1)
+    assert flat(epoch_items(dl)) == list(range(9))
+
+
+def test_dali_shard_is_a_distributed_dl_fastai_leaves_alone(files):
+    dl = index_loader(files[:10], 4, seed=0)
+    s = DaliShard(dl.shard(0, 2))
+    assert isinstance(s, DistributedDL), "fastai's DistributedTrainer._wrap_dl returns DistributedDLs unchanged"
+    assert len(s) == len(dl) and s.vocab is dl.vocab and s.bs == 4 and s.device == dl.device
+    assert isinstance(s.new(shuffle=True), DaliDataLoader)
+    assert [y.tolist() for _,y in s] == [[0, 1, 2, 3], [8]]  # rank 1 has [4 5 6 7] [9]
+    x = torch.arange(6.)
+    assert torch.equal(s.to_detach(x), x), "no second gather: DaliDistributed gathered the batch already"
+
+
+def test_callback_does_nothing_on_one_process(files, tmp_path):
+    dls = DaliDataLoaders(index_loader(files[:16], 4, train=True, seed=0, warp_mode=None), index_loader(files[16:24], 4),
+                          path=tmp_path, device='cpu')
+    learn = Learner(dls, nn.Sequential(nn.Flatten(), nn.Linear(192, MAX_INDEX)), loss_func=CrossEntropyLossFlat(),
+                    cbs=DaliDistributed())
+    with learn.no_bar(), learn.no_logging(): learn.fit(1)
+    assert all(type(dl) is DaliDataLoader and dl.world_size == 1 for dl in learn.dls.loaders)
+
+
+# ---------------------------------------------------------------- a real two-process run (gloo on the CPU)
+
+def test_two_processes_through_distrib_ctx(tmp_path):
+    "torchrun, `learn.distrib_ctx()`, DaliDistributed: shards in step, valid once across ranks, whole-set metrics"
+    pytest.importorskip('accelerate')
+    with socket.socket() as s: s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', '2', '--master_port', str(port),
+           str(HERE/'ddp_worker.py'), str(tmp_path)]
+    env = {**os.environ, 'OMP_NUM_THREADS': '1'}
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    a,b = [json.loads((tmp_path/f'rank{i}.json').read_text()) for i in (0, 1)]
+    n_train,n_valid,bs = 61, 23, 4
+    assert a['lens'] == b['lens'] == [7, 3], "shards of 30 and 31: 7 full batches each; valid 3 batches each"
+    assert a['seed'] == b['seed'] is not None, "a seed drawn on rank 0 and shared"
+    for e in range(2):
+        ta,tb = a['seen']['train'][e],b['seen']['train'][e]
+        assert len(ta) == len(tb) == 7*bs
+        assert len(set(ta + tb)) == 2*7*bs and set(ta + tb) <= set(range(n_train)), "disjoint shards, no repeats"
+        # validation batches are gathered: every rank sees every item once, in order
+        assert a['seen']['valid'][e] == b['seen']['valid'][e] == list(range(n_train, n_train + n_valid))
+    assert a['seen']['train'][0] != a['seen']['train'][1], "a new order every epoch"
+    assert a['targs'] == b['targs'] == list(range(n_train, n_train + n_valid)), "get_preds: every item, in order"
+    assert a['ddp_valid'] == b['ddp_valid']
+    assert a['ddp_valid'] == pytest.approx(a['whole_valid'], rel=1e-5), "metrics of the whole validation set"
+
+
+# ---------------------------------------------------------------- resuming
+
+class Stop(Callback):
+    "Record training batches; save with learn.save and stop after batch `stop` (0-based count) of epoch `epoch`"
+    def __init__(self, epoch=None, stop=None): self.items,self.epoch_at,self.stop = [],epoch,stop
+    def after_batch(self):
+        if not self.training: return
+        self.items.append(self.yb[0].tolist())
+        if self.epoch == self.epoch_at and self.iter == self.stop - 1:
+            self.learn.save('ckpt'); raise CancelFitException
+
+
+def _learner(files, path, *cbs, n=30, seed=1, bs=4):
+    dls = DaliDataLoaders(index_loader(files[:n], bs, train=True, seed=seed),
+                          index_loader(files[n:n+8], bs), path=path, device='cpu')
+    torch.manual_seed(0)
+    return Learner(dls, nn.Sequential(nn.Flatten(), nn.Linear(192, MAX_INDEX)), loss_func=CrossEntropyLossFlat(),
+                   cbs=[DaliCheckpoint(), *cbs])
+
+
+@pytest.mark.parametrize('epoch,stop', [(0, 1), (1, 3), (1, 7), (2, 6)], ids=['e0b1', 'e1b3', 'e1-end', 'e2b6'])
+def test_resumed_run_sees_the_same_items_and_ends_with_the_same_weights(files, tmp_path, epoch, stop):
+    whole = Stop(); a = _learner(files, tmp_path, whole)
+    with a.no_bar(), a.no_logging(): a.fit_one_cycle(3, 1e-2)
+    first = Stop(epoch, stop); b = _learner(files, tmp_path, first)
+    with b.no_bar(), b.no_logging(): b.fit_one_cycle(3, 1e-2)
+    rest = Stop(); c = _learner(files, tmp_path, rest)
+    c.load('ckpt')
+    with c.no_bar(), c.no_logging(): c.fit_one_cycle(3, 1e-2)
+    done = 7*epoch + stop
+    assert first.items == whole.items[:done]
+    assert rest.items == whole.items[done:], "the resumed run trains on exactly the remaining batches, in order"
+    for p,q in zip(a.model.parameters(), c.model.parameters()): assert torch.equal(p, q), "same schedule, same updates"
+
+
+def test_save_model_callback_checkpoints_resume(files, tmp_path):
+    "SaveModelCallback(every_epoch) saves the loaders too: resuming from epoch 1's file trains epoch 2 only"
+    whole = Stop(); a = _learner(files, tmp_path, whole, SaveModelCallback(every_epoch=True, fname='m'))
+    with a.no_bar(), a.no_logging(): a.fit(3, 1e-2)
+    rest = Stop(); c = _learner(files, tmp_path, rest)
+    c.load('m_1')
+    with c.no_bar(), c.no_logging(): c.fit(3, 1e-2)
+    assert rest.items == whole.items[14:]
+
+
+def test_load_at_the_end_of_a_fit_moves_nothing(files, tmp_path):
+    "SaveModelCallback loads the best model in after_fit: the next fit still trains all its epochs"
+    class LoadBest(Callback):  # what SaveModelCallback does, with the first epoch as the best
+        order = SaveModelCallback.order
+        def after_epoch(self):
+            if self.epoch == 0: self.learn.save('best')
+        def after_fit(self): self.learn.load('best')
+    rec = Stop(); learn = _learner(files, tmp_path, rec, LoadBest())
+    with learn.no_bar(), learn.no_logging(): learn.fit(2, 1e-2)
+    with learn.no_bar(), learn.no_logging(): learn.fit(2, 1e-2)
+    assert len(rec.items) == 4*7
+
+
+def test_checkpoint_holds_the_state_under_one_key(files, tmp_path):
+    learn = _learner(files, tmp_path)
+    f = learn.save('x', with_opt=False)
+    state = torch.load(f, weights_only=True)
+    assert STATE_KEY in state and state[STATE_KEY].dtype == torch.uint8
+    plain = nn.Sequential(nn.Flatten(), nn.Linear(192, MAX_INDEX))
+    with pytest.raises(RuntimeError, match='dali_fastai.loaders'): plain.load_state_dict(state)
+    plain.load_state_dict(state, strict=False)
+
+
+def test_resume_errors(files, tmp_path):
+    first = Stop(1, 2); b = _learner(files, tmp_path, first)
+    with b.no_bar(), b.no_logging(): b.fit(3, 1e-2)
+    other = _learner(files, tmp_path, n=26)
+    other.load('ckpt')
+    with pytest.raises(ValueError, match='different loader .*n_items 30 there, 26 here'): other.fit(3)
+    same = _learner(files, tmp_path)
+    same.load('ckpt')
+    with pytest.raises(ValueError, match='fit of 3 epochs, this fit has 2'): same.fit(2)
+    with pytest.raises(ValueError, match='not a DaliDataLoader state'): same.dls.train.load_state_dict({'epoch': 1})
