@@ -7,7 +7,7 @@ Docs: https://dali-fastai.github.io/dali_fastai/distributed.html.md"""
 # %% auto #0
 __all__ = ['STATE_KEY', 'DaliShard', 'gather_batches', 'DaliDistributed', 'DaliCheckpoint']
 
-# %% ../nbs/08_distributed.ipynb #62e2880b
+# %% ../nbs/08_distributed.ipynb #ef676b2f
 import json
 from functools import partial
 import numpy as np
@@ -18,7 +18,7 @@ from fastai.distributed import DistributedDL, DistributedTrainer
 from fastai.torch_core import num_distrib, rank_distrib, to_detach
 from .loader import DaliDataLoader
 
-# %% ../nbs/08_distributed.ipynb #f44d3c4b
+# %% ../nbs/08_distributed.ipynb #77ed01eb
 class DaliShard(DistributedDL):
     "This rank's shard of a `DaliDataLoader`: a `DistributedDL`, so fastai's `DistributedTrainer` leaves it unwrapped"
     _own = ('dl', 'to_detach', '__iter__', '__len__', '__class__', '__dict__', '__repr__', '__reduce_ex__', '__getstate__')
@@ -34,7 +34,7 @@ class DaliShard(DistributedDL):
         "Detach `b`; never gather it again (`DaliDistributed` already gathered the validation batch)"
         return to_detach(b, cpu, gather=False)
 
-# %% ../nbs/08_distributed.ipynb #4f728d94
+# %% ../nbs/08_distributed.ipynb #77aa5b48
 def gather_batches(x:torch.Tensor, # this rank's batch (any size, including 0)
                   )->torch.Tensor: # the batches of all ranks, concatenated in rank order
     "Concatenate `x` from every rank along the batch dimension, whatever each rank's batch size"
@@ -49,7 +49,7 @@ def gather_batches(x:torch.Tensor, # this rank's batch (any size, including 0)
     dist.all_gather(parts, padded.contiguous())
     return torch.cat([p[:s] for p,s in zip(parts, sizes)])
 
-# %% ../nbs/08_distributed.ipynb #c68ba3e5
+# %% ../nbs/08_distributed.ipynb #a82b7550
 def _shared_seed()->int:
     "A seed drawn on rank 0 and sent to every rank"
     seed = [int(np.random.SeedSequence().generate_state(1)[0]) if dist.get_rank() == 0 else None]
@@ -61,16 +61,17 @@ def _dali_loader(dl): return dl.dl if isinstance(dl, DaliShard) else dl
 class DaliDistributed(Callback):
     "Under DDP (`learn.distrib_ctx()`): each rank's DALI loaders read their own shard in step; validation metrics are the whole set's"
     order = DistributedTrainer.order - 1  # before fastai wraps the loaders in `DistributedDL`
-    def _active(self)->bool:
-        return (num_distrib() > 1 and dist.is_available() and dist.is_initialized()
-                and any(isinstance(cb, DistributedTrainer) for cb in self.learn.cbs))
+    def _in_ddp(self)->bool:
+        "Inside `learn.distrib_ctx()`: fastai's `DistributedTrainer` is among the callbacks (also with one process)"
+        return any(isinstance(cb, DistributedTrainer) for cb in self.learn.cbs)
 
     def _view(self, dl):
         "`dl` as this rank's shard inside DDP, or as the whole dataset outside it"
         inner = _dali_loader(dl)
         if not isinstance(inner, DaliDataLoader): return dl
-        if not self._active(): return inner.shard(0, 1)
-        inner.shard(rank_distrib(), num_distrib(), seed=None if inner.seed is not None else _shared_seed())
+        if not self._in_ddp(): return inner.shard(0, 1)
+        world = max(1, num_distrib())
+        inner.shard(rank_distrib(), world, seed=None if inner.seed is not None or world == 1 else _shared_seed())
         return dl if isinstance(dl, DaliShard) else DaliShard(inner)
 
     def before_fit(self): self.learn.dls.loaders = [self._view(dl) for dl in self.dls.loaders]
@@ -78,11 +79,11 @@ class DaliDistributed(Callback):
     def before_validate(self): self.learn.dl = self._view(self.dl)
     def after_pred(self):
         "Validation: predictions and targets of every rank's batch, so loss and metrics cover the whole set"
-        if self.training or not isinstance(self.dl, DaliShard) or not self._active(): return
+        if self.training or not isinstance(self.dl, DaliShard) or self.dl.world_size == 1 or not self._in_ddp(): return
         self.learn.pred = gather_batches(self.pred)
         self.learn.yb = tuple(gather_batches(y) for y in self.yb)
 
-# %% ../nbs/08_distributed.ipynb #35e4f152
+# %% ../nbs/08_distributed.ipynb #60ba3b66
 STATE_KEY = 'dali_fastai.loaders'  # the model state_dict entry holding the loaders' state
 
 def _encode(state:dict)->torch.Tensor: return torch.tensor(list(json.dumps(state).encode()), dtype=torch.uint8)

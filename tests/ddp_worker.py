@@ -40,8 +40,8 @@ def main():
         time.sleep(0.2)
         files = sorted((out/'images').glob('*.png'))
     train,valid = index_items(files[:a.n_train]),index_items(files[a.n_train:])
-    dls = DaliDataLoaders(DaliDataLoader(train, bs=a.bs, size=8, train=True, device=a.device, warp_mode=None),
-                          DaliDataLoader(valid, bs=a.bs, size=8, device=a.device), path=out, device=a.device)
+    train_dl = DaliDataLoader(train, bs=a.bs, size=8, train=True, device=a.device, warp_mode=None)
+    dls = DaliDataLoaders(train_dl, DaliDataLoader(valid, bs=a.bs, size=8, device=a.device), path=out, device=train_dl.device)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(3*8*8, MAX_INDEX))
     rec = Record()

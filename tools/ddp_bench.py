@@ -8,6 +8,7 @@ import argparse, os, time
 import torch
 from fastai.callback.core import Callback
 from fastai.callback.fp16 import MixedPrecision  # noqa: F401 (adds Learner.to_bf16)
+from fastai.callback.schedule import fit_one_cycle  # noqa: F401 (adds Learner.fit_one_cycle)
 from fastai.distributed import *  # noqa: F401,F403 (adds Learner.distrib_ctx)
 from fastai.metrics import accuracy
 from fastai.vision.learner import vision_learner
