@@ -3,7 +3,7 @@
     torchrun --nproc_per_node 1 tools/ddp_bench.py && torchrun --nproc_per_node 2 tools/ddp_bench.py
 
 Every rank reads its own shard (`DaliDistributed`); `bs` is per GPU. Epoch 1 warms up (cuDNN, DALI); epoch 2 is timed."""
-import argparse, os, time
+import argparse, contextlib, os, time
 
 import torch
 from fastai.callback.core import Callback
@@ -37,7 +37,8 @@ def main():
     timer = EpochTimer()
     learn = vision_learner(dls, resnet50, metrics=accuracy, pretrained=False, cbs=[DaliDistributed(), timer]).to_bf16()
     learn.model = learn.model.to(memory_format=torch.channels_last)
-    with learn.distrib_ctx():
+    # one GPU: a plain fit (fastai's DistributedTrainer assumes a DDP-wrapped model, which one process does not get)
+    with learn.distrib_ctx() if world > 1 else contextlib.nullcontext():
         n_batches = len(learn.dls.train)
         learn.fit_one_cycle(2, 1e-3)
     if rank == 0:
