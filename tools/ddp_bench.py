@@ -39,8 +39,8 @@ def main():
     learn.model = learn.model.to(memory_format=torch.channels_last)
     # one GPU: a plain fit (fastai's DistributedTrainer assumes a DDP-wrapped model, which one process does not get)
     with learn.distrib_ctx() if world > 1 else contextlib.nullcontext():
-        n_batches = len(learn.dls.train)
         learn.fit_one_cycle(2, 1e-3)
+        n_batches = len(learn.dls.train)  # after the fit: the loaders are sharded at its start
     if rank == 0:
         imgs = n_batches*a.bs*world
         print(f"ddp_bench: {world} GPU(s), resnet50 bf16, bs {a.bs}/GPU, {imgs} images an epoch: "
