@@ -7,7 +7,7 @@ Docs: https://dali-fastai.github.io/dali_fastai/distributed.html.md"""
 # %% auto #0
 __all__ = ['STATE_KEY', 'DaliShard', 'gather_batches', 'DaliDistributed', 'DaliCheckpoint']
 
-# %% ../nbs/08_distributed.ipynb #ef676b2f
+# %% ../nbs/08_distributed.ipynb #2b1d47ed
 import json
 from functools import partial
 import numpy as np
@@ -18,7 +18,7 @@ from fastai.distributed import DistributedDL, DistributedTrainer
 from fastai.torch_core import num_distrib, rank_distrib, to_detach
 from .loader import DaliDataLoader
 
-# %% ../nbs/08_distributed.ipynb #77ed01eb
+# %% ../nbs/08_distributed.ipynb #e91b6918
 class DaliShard(DistributedDL):
     "This rank's shard of a `DaliDataLoader`: a `DistributedDL`, so fastai's `DistributedTrainer` leaves it unwrapped"
     _own = ('dl', 'to_detach', '__iter__', '__len__', '__class__', '__dict__', '__repr__', '__reduce_ex__', '__getstate__')
@@ -34,7 +34,7 @@ class DaliShard(DistributedDL):
         "Detach `b`; never gather it again (`DaliDistributed` already gathered the validation batch)"
         return to_detach(b, cpu, gather=False)
 
-# %% ../nbs/08_distributed.ipynb #77aa5b48
+# %% ../nbs/08_distributed.ipynb #c6c03728
 def gather_batches(x:torch.Tensor, # this rank's batch (any size, including 0)
                   )->torch.Tensor: # the batches of all ranks, concatenated in rank order
     "Concatenate `x` from every rank along the batch dimension, whatever each rank's batch size"
@@ -46,10 +46,10 @@ def gather_batches(x:torch.Tensor, # this rank's batch (any size, including 0)
     padded = x.new_zeros((max(sizes), *x.shape[1:]))
     padded[:len(x)] = x
     parts = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(parts, padded.contiguous())
+    dist.all_gather(parts, padded)
     return torch.cat([p[:s] for p,s in zip(parts, sizes)])
 
-# %% ../nbs/08_distributed.ipynb #a82b7550
+# %% ../nbs/08_distributed.ipynb #5ca09fef
 def _shared_seed()->int:
     "A seed drawn on rank 0 and sent to every rank"
     seed = [int(np.random.SeedSequence().generate_state(1)[0]) if dist.get_rank() == 0 else None]
@@ -83,7 +83,7 @@ class DaliDistributed(Callback):
         self.learn.pred = gather_batches(self.pred)
         self.learn.yb = tuple(gather_batches(y) for y in self.yb)
 
-# %% ../nbs/08_distributed.ipynb #60ba3b66
+# %% ../nbs/08_distributed.ipynb #eabdcd69
 STATE_KEY = 'dali_fastai.loaders'  # the model state_dict entry holding the loaders' state
 
 def _encode(state:dict)->torch.Tensor: return torch.tensor(list(json.dumps(state).encode()), dtype=torch.uint8)
@@ -119,15 +119,15 @@ class DaliCheckpoint(Callback):
 
     def state(self)->dict:
         "The loaders' states, and the epoch and batch the next `fit` resumes at"
-        train,valid = self._loaders()
+        train,valid = [dl.state_dict() for dl in self._loaders()]
         fit = None
         if self._fitting:
             epoch = self.learn.epoch
-            if self._phase == 'train': start = (epoch, train.state_dict()['taken'])
+            if self._phase == 'train': start = (epoch, train['taken'])
             elif self._phase == 'trained': start = (epoch + 1, 0)
             else: start = (epoch, 0)
             fit = {'n_epoch': self.learn.n_epoch, 'epoch': start[0], 'batch': start[1]}
-        return {'format': 1, 'fit': fit, 'train': train.state_dict(), 'valid': valid.state_dict()}
+        return {'format': 1, 'fit': fit, 'train': train, 'valid': valid}
 
     def _save_hook(self, module, state_dict, prefix, local_metadata):
         if self in self.learn.cbs and self._loaders(): state_dict[prefix + STATE_KEY] = _encode(self.state())

@@ -20,7 +20,7 @@ from fastcore.xtras import is_listy
 from fastai.data.core import DataLoaders, show_batch as show_batch_grid, show_results as show_results_grid
 from fastai.data.transforms import (Categorize, Normalize, RandomSplitter, GrandparentSplitter, ColSplitter,
                                     RegexLabeller, get_image_files, parent_label)
-from fastai.torch_core import TensorImage, TensorCategory, batch_to_samples
+from fastai.torch_core import TensorImage, TensorCategory, batch_to_samples, num_distrib
 from fasttransform import Pipeline
 import fastai.vision.data, fastai.vision.learner  # register `show_batch`/`show_results` for images
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
@@ -85,7 +85,7 @@ def as_device(device:str|torch.device|None=None, # 'cpu', 'gpu', 'cuda', 'cuda:1
 
 def _local_gpu()->int:
     "The GPU a plain 'cuda' means: the local rank's under torchrun (`LOCAL_RANK`), else PyTorch's current one"
-    if int(os.environ.get('WORLD_SIZE', 1)) > 1 and 'LOCAL_RANK' in os.environ: return int(os.environ['LOCAL_RANK'])
+    if num_distrib() > 1 and 'LOCAL_RANK' in os.environ: return int(os.environ['LOCAL_RANK'])
     return torch.cuda.current_device()
 
 def dali_device_id(device:torch.device)->int|None:
@@ -197,7 +197,8 @@ class DaliDataLoader:
 
     def __len__(self):
         if self.world_size == 1: return n_batches(len(self.items), self.bs, self.drop_last)
-        return batches_per_rank(len(self.items), self.bs, self.world_size, self.drop_last, pad=not self.train)
+        # in order and keeping the last batch (validation, get_preds): every item once, so pad; else all stop at the fewest
+        return batches_per_rank(len(self.items), self.bs, self.world_size, self.drop_last, pad=not (self.shuffle or self.drop_last))
     def __repr__(self):
         return (f"{type(self).__name__}({len(self.items)} items, bs={self.bs}, size={self.size}, "
                 f"{'train' if self.train else 'valid'}, device={self.device})")
@@ -236,8 +237,9 @@ class DaliDataLoader:
         self._builds = build + 1
         # the order is the same on every rank; augmentation draws differ per rank
         seed = self._seed(build) if self.world_size == 1 else self._seed(build, _RANK_STREAM, self.rank)
-        order_seed = self._seed(build) if self.seed is not None else int(np.random.SeedSequence().generate_state(1)[0])
         if resume is not None: order_seed = resume['order_seed']
+        elif self.seed is not None: order_seed = self._seed(build)
+        else: order_seed = int(np.random.SeedSequence().generate_state(1)[0])  # drawn here, so `state_dict` can save it
         self._order_seed = order_seed
         checkpoint = None if resume is None else base64.b64decode(resume['dali'])
         # sharded: PARTIAL, and `__iter__` stops every rank at `len(self)` (DALI's DROP repeats padding samples then)
@@ -309,7 +311,7 @@ class DaliDataLoader:
         start = 0 if self._resume is None else self._resume['taken']  # batches of a resumed epoch already taken
         if self._it is None: self._it = self._build()
         self._epoch += 1
-        epoch,it = self._epoch,self._it
+        epoch,it,n = self._epoch,self._it,len(self)
         self._done,self._taken = False,start
         while True:
             if epoch != self._epoch:
@@ -326,7 +328,7 @@ class DaliDataLoader:
             if failure is not None:  # raised outside `except`: DALI's error, and the dead pipeline it holds, are freed now
                 self.close(); del it
                 raise ValueError(failure)
-            if self._taken >= len(self): continue  # sharded: every rank stops at `len`; DALI's epoch may hold one more
+            if self._taken >= n: continue  # sharded: every rank stops at `len`; DALI's epoch may hold one more
             self._taken += 1
             yield self.after_batch(self._to_batch(data[0]))
         self._done = True

@@ -3,8 +3,11 @@ mid-epoch from a checkpoint."""
 import json, os, socket, subprocess, sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
+from fastcore.basics import first
 from torch import nn
 from fastai.callback.core import Callback, CancelFitException
 from fastai.callback.schedule import fit_one_cycle  # noqa: F401 (adds Learner.fit_one_cycle)
@@ -14,7 +17,7 @@ from fastai.learner import Learner
 from fastai.losses import CrossEntropyLossFlat
 
 from helpers import make_index_images, index_items, index_loader, epoch_items, MAX_INDEX
-from dali_fastai.loader import DaliDataLoaders, DaliDataLoader, batches_per_rank, shard_sizes
+from dali_fastai.loader import DaliDataLoaders, DaliDataLoader, ImageItems, batches_per_rank
 from dali_fastai.distributed import DaliCheckpoint, DaliDistributed, DaliShard, STATE_KEY
 
 HERE = Path(__file__).parent
@@ -48,7 +51,6 @@ def test_train_shards_in_step_and_disjoint(files, n, bs, world, drop_last):
     ranks = [index_loader(files[:n], bs, train=True, drop_last=drop_last, seed=3, warp_mode=None).shard(r, world)
              for r in range(world)]
     want = batches_per_rank(n, bs, world, drop_last)
-    assert want == min(len(b) for b in [range(x // bs if drop_last else -(-x // bs)) for x in shard_sizes(n, world)])
     epochs = []
     for _ in range(3):
         got = [epoch_items(dl) for dl in ranks]
@@ -61,12 +63,30 @@ def test_train_shards_in_step_and_disjoint(files, n, bs, world, drop_last):
     if n > bs*world: assert epochs[0] != epochs[1] != epochs[2], "every epoch a new order"
 
 
-def test_ranks_draw_their_own_augmentation(files):
-    "Same order stream, different augmentation streams: rank seeds differ, the order seed does not"
-    dls = [index_loader(files[:40], 4, train=True, seed=5).shard(r, 2) for r in range(2)]
-    for dl in dls: list(dl)
+def gradient_items(tmp_path, n:int)->ImageItems:
+    "`n` copies of one gradient image (crops, flips and warps change its pixels), labelled 0"
+    f = tmp_path/'gradient.png'
+    if not f.exists():
+        x = np.arange(16, dtype=np.uint8)*15
+        Image.fromarray(np.stack([x[None, :].repeat(16, 0), x[:, None].repeat(16, 1), np.full((16, 16), 90, np.uint8)], -1)).save(f)
+    return ImageItems([f]*n, [0]*n, ['a'])
+
+
+def test_ranks_draw_their_own_augmentation(tmp_path):
+    "The same image on both ranks: rank seeds differ, so the augmented batches differ; the shared order seed does not"
+    dls = [DaliDataLoader(gradient_items(tmp_path, 16), bs=4, size=8, train=True, device='cpu', seed=5).shard(r, 2) for r in range(2)]
+    (x0,_),(x1,_) = [first(dl) for dl in dls]
+    assert not torch.equal(x0, x1)
     assert dls[0]._order_seed == dls[1]._order_seed
-    assert dls[0]._seed(0) is not None
+
+
+def test_train_style_loader_in_order_pads_like_validation(files):
+    "`get_preds(ds_idx=0)` reads the training set in order, keeping the last batch: every item once across ranks"
+    ranks = [index_loader(files[:9], 2, train=True, shuffle=False, drop_last=False, seed=0, warp_mode=None).shard(r, 2)
+             for r in range(2)]
+    got = [epoch_items(dl) for dl in ranks]
+    assert [len(b) for b in got] == [3, 3]
+    assert [i for k in range(3) for b in got for i in b[k]] == list(range(9))
 
 
 def test_shard_errors(files):
@@ -170,6 +190,31 @@ def test_resumed_run_sees_the_same_items_and_ends_with_the_same_weights(files, t
     assert first.items == whole.items[:done]
     assert rest.items == whole.items[done:], "the resumed run trains on exactly the remaining batches, in order"
     for p,q in zip(a.model.parameters(), c.model.parameters()): assert torch.equal(p, q), "same schedule, same updates"
+
+
+def test_loader_resume_replays_the_same_augmented_pixels(tmp_path):
+    "A loader restored from `state_dict` mid-epoch yields the very batches (pixels, not only items) the original would"
+    def make(): return DaliDataLoader(gradient_items(tmp_path, 24), bs=4, size=8, train=True, device='cpu', seed=2,
+                                      p_rotate=0.5, p_vflip=0.5)
+    a = make(); whole = [x for _ in range(2) for x,_ in a]
+    b = make(); it = iter(b)
+    for _ in range(2): next(it)
+    state = json.loads(json.dumps(b.state_dict()))  # it travels as JSON
+    c = make(); c.load_state_dict(state)
+    rest = [x for x,_ in c] + [x for x,_ in c]
+    assert len(rest) == len(whole) - 2
+    assert all(torch.equal(p, q) for p,q in zip(rest, whole[2:]))
+
+
+def test_rank_restores_rank_0s_state_into_its_own_shard(files):
+    "Under DDP only rank 0 saves; rank 1 restoring rank 0's state resumes rank 1's own items, in the same order"
+    def make(r): return index_loader(files[:21], 2, train=True, seed=0, warp_mode=None).shard(r, 2)
+    a = make(1); whole = epoch_items(a) + epoch_items(a)
+    r0,r1 = make(0),make(1)
+    i0,i1 = iter(r0),iter(r1)
+    for _ in range(3): next(i0); next(i1)
+    resumed = make(1); resumed.load_state_dict(r0.state_dict())
+    assert epoch_items(resumed) + epoch_items(resumed) == whole[3:]
 
 
 def test_save_model_callback_checkpoints_resume(files, tmp_path):
