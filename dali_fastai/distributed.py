@@ -7,7 +7,7 @@ Docs: https://dali-fastai.github.io/dali_fastai/distributed.html.md"""
 # %% auto #0
 __all__ = ['STATE_KEY', 'DaliShard', 'gather_batches', 'DaliDistributed', 'DaliCheckpoint']
 
-# %% ../nbs/08_distributed.ipynb #2b1d47ed
+# %% ../nbs/08_distributed.ipynb #99b32dde
 import json
 from functools import partial
 import numpy as np
@@ -18,7 +18,7 @@ from fastai.distributed import DistributedDL, DistributedTrainer
 from fastai.torch_core import num_distrib, rank_distrib, to_detach
 from .loader import DaliDataLoader
 
-# %% ../nbs/08_distributed.ipynb #e91b6918
+# %% ../nbs/08_distributed.ipynb #5ac2f1e1
 class DaliShard(DistributedDL):
     "This rank's shard of a `DaliDataLoader`: a `DistributedDL`, so fastai's `DistributedTrainer` leaves it unwrapped"
     _own = ('dl', 'to_detach', '__iter__', '__len__', '__class__', '__dict__', '__repr__', '__reduce_ex__', '__getstate__')
@@ -34,7 +34,7 @@ class DaliShard(DistributedDL):
         "Detach `b`; never gather it again (`DaliDistributed` already gathered the validation batch)"
         return to_detach(b, cpu, gather=False)
 
-# %% ../nbs/08_distributed.ipynb #c6c03728
+# %% ../nbs/08_distributed.ipynb #39f233ed
 def gather_batches(x:torch.Tensor, # this rank's batch (any size, including 0)
                   )->torch.Tensor: # the batches of all ranks, concatenated in rank order
     "Concatenate `x` from every rank along the batch dimension, whatever each rank's batch size"
@@ -49,7 +49,7 @@ def gather_batches(x:torch.Tensor, # this rank's batch (any size, including 0)
     dist.all_gather(parts, padded)
     return torch.cat([p[:s] for p,s in zip(parts, sizes)])
 
-# %% ../nbs/08_distributed.ipynb #5ca09fef
+# %% ../nbs/08_distributed.ipynb #a84eff49
 def _shared_seed()->int:
     "A seed drawn on rank 0 and sent to every rank"
     seed = [int(np.random.SeedSequence().generate_state(1)[0]) if dist.get_rank() == 0 else None]
@@ -83,7 +83,7 @@ class DaliDistributed(Callback):
         self.learn.pred = gather_batches(self.pred)
         self.learn.yb = tuple(gather_batches(y) for y in self.yb)
 
-# %% ../nbs/08_distributed.ipynb #eabdcd69
+# %% ../nbs/08_distributed.ipynb #83182b76
 STATE_KEY = 'dali_fastai.loaders'  # the model state_dict entry holding the loaders' state
 
 def _encode(state:dict)->torch.Tensor: return torch.tensor(list(json.dumps(state).encode()), dtype=torch.uint8)
