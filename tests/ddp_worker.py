@@ -1,8 +1,8 @@
 """One rank of a DDP run through fastai's `learn.distrib_ctx()` with `DaliDistributed`; writes what it saw as JSON.
 
 Run by tests/test_distributed.py on the CPU (gloo):  python -m torch.distributed.run --nproc_per_node 2 tests/ddp_worker.py OUT
-On GPUs:  torchrun --nproc_per_node 2 tests/ddp_worker.py OUT --device gpu"""
-import argparse, json, os, sys, time
+On GPUs:  torchrun --nproc_per_node 2 tests/ddp_worker.py OUT --device gpu && python tests/ddp_worker.py --check OUT"""
+import argparse, json, math, os, sys, time
 from pathlib import Path
 
 import torch
@@ -59,4 +59,26 @@ def main():
     (out/f'rank{rank}.json').write_text(json.dumps(res))
 
 
-if __name__ == '__main__': main()
+def check(out:Path, n_train:int=61, n_valid:int=23, bs:int=4)->str:
+    "Assert what two ranks of `main` (with its defaults) saw, from their JSON files in `out`; a one-line summary"
+    a,b = [json.loads((Path(out)/f'rank{i}.json').read_text()) for i in (0, 1)]
+    assert a['lens'] == b['lens'] == [7, 3], "shards of 30 and 31: 7 full batches each; valid 3 batches each"
+    assert a['seed'] == b['seed'] is not None, "a seed drawn on rank 0 and shared"
+    for e in range(2):
+        ta,tb = a['seen']['train'][e],b['seen']['train'][e]
+        assert len(ta) == len(tb) == 7*bs
+        assert len(set(ta + tb)) == 2*7*bs and set(ta + tb) <= set(range(n_train)), "disjoint shards, no repeats"
+        # validation batches are gathered: every rank sees every item once, in order
+        assert a['seen']['valid'][e] == b['seen']['valid'][e] == list(range(n_train, n_train + n_valid))
+    assert a['seen']['train'][0] != a['seen']['train'][1], "a new order every epoch"
+    assert a['targs'] == b['targs'] == list(range(n_train, n_train + n_valid)), "get_preds: every item, in order"
+    assert a['ddp_valid'] == b['ddp_valid']
+    assert all(math.isclose(d, w, rel_tol=1e-5) for d,w in zip(a['ddp_valid'], a['whole_valid'])), "metrics of the whole validation set"
+    return (f"devices {a['device']}, {b['device']}; lens {a['lens']}; train items an epoch {len(set(ta + tb))} unique of "
+            f"{len(ta + tb)}; valid on both ranks = items {n_train}..{n_train + n_valid - 1} in order; "
+            f"DDP valid {a['ddp_valid']} = one process {a['whole_valid']}")
+
+
+if __name__ == '__main__':
+    if sys.argv[1:2] == ['--check']: print(check(Path(sys.argv[2])))
+    else: main()

@@ -17,6 +17,7 @@ from fastai.learner import Learner
 from fastai.losses import CrossEntropyLossFlat
 
 from helpers import make_index_images, index_items, index_loader, epoch_items, MAX_INDEX
+import ddp_worker
 from dali_fastai.loader import DaliDataLoaders, DaliDataLoader, ImageItems, batches_per_rank
 from dali_fastai.distributed import DaliCheckpoint, DaliDistributed, DaliShard, STATE_KEY
 
@@ -141,20 +142,7 @@ def test_two_processes_through_distrib_ctx(tmp_path):
     env = {**os.environ, 'OMP_NUM_THREADS': '1'}
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
     assert r.returncode == 0, r.stderr[-3000:]
-    a,b = [json.loads((tmp_path/f'rank{i}.json').read_text()) for i in (0, 1)]
-    n_train,n_valid,bs = 61, 23, 4
-    assert a['lens'] == b['lens'] == [7, 3], "shards of 30 and 31: 7 full batches each; valid 3 batches each"
-    assert a['seed'] == b['seed'] is not None, "a seed drawn on rank 0 and shared"
-    for e in range(2):
-        ta,tb = a['seen']['train'][e],b['seen']['train'][e]
-        assert len(ta) == len(tb) == 7*bs
-        assert len(set(ta + tb)) == 2*7*bs and set(ta + tb) <= set(range(n_train)), "disjoint shards, no repeats"
-        # validation batches are gathered: every rank sees every item once, in order
-        assert a['seen']['valid'][e] == b['seen']['valid'][e] == list(range(n_train, n_train + n_valid))
-    assert a['seen']['train'][0] != a['seen']['train'][1], "a new order every epoch"
-    assert a['targs'] == b['targs'] == list(range(n_train, n_train + n_valid)), "get_preds: every item, in order"
-    assert a['ddp_valid'] == b['ddp_valid']
-    assert a['ddp_valid'] == pytest.approx(a['whole_valid'], rel=1e-5), "metrics of the whole validation set"
+    ddp_worker.check(tmp_path)
 
 
 # ---------------------------------------------------------------- resuming

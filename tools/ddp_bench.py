@@ -1,11 +1,19 @@
-"""Training throughput of dali_fastai under DDP: run it with 1 and with 2 GPUs and compare the img/s lines.
+"""Training throughput of dali_fastai under DDP, 1 GPU against N, side by side in one run:
 
-    torchrun --nproc_per_node 1 tools/ddp_bench.py && torchrun --nproc_per_node 2 tools/ddp_bench.py
+    python tools/ddp_bench.py --compare 2      # starts every case below with torchrun, then prints a table
 
-Every rank reads its own shard (`DaliDistributed`); `bs` is per GPU. Epoch 1 warms up (cuDNN, DALI); epoch 2 is timed."""
-import argparse, contextlib, os, time
+or one case:  torchrun --nproc_per_node N tools/ddp_bench.py [--loader-only | --synthetic | --sync-bn]
+
+Every rank reads its own shard (`DaliDistributed`); `bs` is per GPU. Epoch 1 warms up (cuDNN, DALI); the later epochs
+are timed. `--loader-only` times the sharded training loader alone (no model), to tell a data-bound run from a
+compute-bound one; `--synthetic` times the same training step in a plain PyTorch DDP loop on one random batch kept on
+the GPU (no loader, no fastai): the scaling this host allows."""
+import argparse, contextlib, json, os, subprocess, sys, tempfile, time
+from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 from fastai.callback.core import Callback
 from fastai.callback.fp16 import MixedPrecision  # noqa: F401 (adds Learner.to_bf16)
 from fastai.callback.schedule import fit_one_cycle  # noqa: F401 (adds Learner.fit_one_cycle)
@@ -26,25 +34,101 @@ class EpochTimer(Callback):
     def after_train(self): torch.cuda.synchronize(); self.times.append(time.perf_counter() - self.start)
 
 
-def main():
-    p = argparse.ArgumentParser()
-    p.add_argument('--path', default=None); p.add_argument('--bs', type=int, default=128); p.add_argument('--size', type=int, default=224)
-    p.add_argument('--n-per-class', type=int, default=2000)
-    a = p.parse_args()
-    rank, world = int(os.environ.get('RANK', 0)), int(os.environ.get('WORLD_SIZE', 1))
-    path = a.path or bench_images(n_per_class=a.n_per_class)  # the same folder on every rank (written once, atomically)
-    dls = DaliDataLoaders.from_folder(path, valid_pct=0.1, bs=a.bs, size=a.size, seed=0)
+def loader_epochs(dl, epochs:int, rank:int, world:int)->list:
+    "Wall time of `epochs` epochs of `dl`'s shard `rank` alone, reading every batch onto the GPU"
+    dl.shard(rank, world, seed=0)
+    times = []
+    for _ in range(epochs):
+        torch.cuda.synchronize(); start = time.perf_counter()
+        for _ in dl: pass
+        torch.cuda.synchronize(); times.append(time.perf_counter() - start)
+    return times
+
+
+def fit_epochs(dls, epochs:int, world:int, sync_bn:bool)->list:
+    "Wall time of the training phase of each of `epochs` epochs of a resnet50 (bf16, channels_last) fit"
     timer = EpochTimer()
     learn = vision_learner(dls, resnet50, metrics=accuracy, pretrained=False, cbs=[DaliDistributed(), timer]).to_bf16()
     learn.model = learn.model.to(memory_format=torch.channels_last)
     # one GPU: a plain fit (fastai's DistributedTrainer assumes a DDP-wrapped model, which one process does not get)
-    with learn.distrib_ctx() if world > 1 else contextlib.nullcontext():
-        learn.fit_one_cycle(2, 1e-3)
-        n_batches = len(learn.dls.train)  # after the fit: the loaders are sharded at its start
-    if rank == 0:
-        imgs = n_batches*a.bs*world
-        print(f"ddp_bench: {world} GPU(s), resnet50 bf16, bs {a.bs}/GPU, {imgs} images an epoch: "
-              f"{imgs/timer.times[-1]:,.0f} img/s (epoch 2: {timer.times[-1]:.1f} s)", flush=True)
+    with learn.distrib_ctx(sync_bn=sync_bn) if world > 1 else contextlib.nullcontext():
+        learn.fit_one_cycle(epochs, 1e-3)
+    return timer.times
+
+
+def synthetic_epochs(epochs:int, n_batches:int, bs:int, size:int, world:int)->list:
+    "Wall time of `epochs` epochs of `n_batches` resnet50 steps (bf16 autocast, channels_last, Adam) on a random GPU batch"
+    dev = torch.device('cuda', int(os.environ.get('LOCAL_RANK', 0)))
+    torch.cuda.set_device(dev)
+    model = resnet50(num_classes=10).to(dev, memory_format=torch.channels_last)
+    if world > 1:
+        torch.distributed.init_process_group('nccl', device_id=dev)
+        model = DistributedDataParallel(model, device_ids=[dev.index])
+    opt = torch.optim.Adam(model.parameters(), 1e-3)
+    x = torch.randn(bs, 3, size, size, device=dev).to(memory_format=torch.channels_last)
+    y = torch.randint(0, 10, (bs,), device=dev)
+    times = []
+    for _ in range(epochs):
+        torch.cuda.synchronize(); start = time.perf_counter()
+        for _ in range(n_batches):
+            with torch.autocast('cuda', dtype=torch.bfloat16): loss = F.cross_entropy(model(x), y)
+            opt.zero_grad(); loss.backward(); opt.step()
+        torch.cuda.synchronize(); times.append(time.perf_counter() - start)
+    if world > 1: torch.distributed.destroy_process_group()
+    return times
+
+
+CASES = [('the sharded loader alone', ['--loader-only']),
+         ('plain PyTorch DDP, a random batch kept on the GPU', ['--synthetic']),
+         ('fastai + dali_fastai, `distrib_ctx(sync_bn=False)`', []),
+         ("fastai + dali_fastai, `distrib_ctx()` (fastai's default `sync_bn=True`)", ['--sync-bn'])]
+
+
+def run_case(n_gpus:int, args:list)->float:
+    "img/s (all ranks) of one case on `n_gpus`, in its own torchrun"
+    with tempfile.TemporaryDirectory() as d:
+        res = Path(d)/'res.json'
+        cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', str(n_gpus), __file__, *args, '--result', str(res)]
+        subprocess.run(cmd, check=True)
+        return json.loads(res.read_text())['img_s']
+
+
+def compare(n_gpus:int, args:list, bs:int):
+    "Every case of `CASES` on 1 GPU and on `n_gpus` (with one GPU, sync_bn changes nothing: fastai's BatchNorm stays)"
+    rows = []
+    for name,extra in CASES:
+        one = rows[-1][1] if extra == ['--sync-bn'] else run_case(1, args + extra)
+        rows.append((name, one, run_case(n_gpus, args + extra)))
+    print(f"\n| img/s, resnet50 bf16, bs {bs}/GPU | 1 GPU | {n_gpus} GPUs | {n_gpus} vs 1 |\n|---|---|---|---|")
+    for name,one,many in rows: print(f"| {name} | {one:,.0f} | {many:,.0f} | {many/one:.2f}x |")
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument('--path', default=None); p.add_argument('--bs', type=int, default=128); p.add_argument('--size', type=int, default=224)
+    p.add_argument('--n-per-class', type=int, default=2000); p.add_argument('--epochs', type=int, default=3)
+    p.add_argument('--loader-only', action='store_true'); p.add_argument('--synthetic', action='store_true')
+    p.add_argument('--sync-bn', action='store_true', help="fastai's distrib_ctx default: BatchNorm synchronised across ranks")
+    p.add_argument('--compare', type=int, default=0, help='run every case on 1 GPU and on this many, print a table')
+    p.add_argument('--result', default=None, help='rank 0 writes {"img_s": ...} here')
+    a = p.parse_args()
+    if a.compare:
+        keep = [x for k in ('path', 'bs', 'size', 'n_per_class', 'epochs') if getattr(a, k) is not None
+                for x in (f"--{k.replace('_', '-')}", str(getattr(a, k)))]
+        return compare(a.compare, keep, a.bs)
+    rank, world = int(os.environ.get('RANK', 0)), int(os.environ.get('WORLD_SIZE', 1))
+    path = a.path or bench_images(n_per_class=a.n_per_class)  # the same folder on every rank (written once, atomically)
+    dls = DaliDataLoaders.from_folder(path, valid_pct=0.1, bs=a.bs, size=a.size, seed=0)
+    n_imgs = len(dls.train.shard(rank, world, seed=0))*a.bs  # a rank's training images an epoch, as the fit shards them
+    if a.synthetic: times,what = synthetic_epochs(a.epochs, n_imgs//a.bs, a.bs, a.size, world),'resnet50 bf16, synthetic data, plain DDP'
+    elif a.loader_only: times,what = loader_epochs(dls.train, a.epochs, rank, world),'loader only'
+    else: times,what = fit_epochs(dls, a.epochs, world, a.sync_bn),f"resnet50 bf16, fastai + dali_fastai, sync_bn={a.sync_bn}"
+    timed = sum(times[1:])
+    img_s = n_imgs*world*(len(times)-1)/timed
+    if a.result and rank == 0: Path(a.result).write_text(json.dumps({'img_s': img_s}))
+    print(f"ddp_bench rank {rank}: {world} GPU(s), {what}, bs {a.bs}/GPU, {n_imgs} images/rank/epoch, epochs 2..{a.epochs}: "
+          f"{img_s:,.0f} img/s all ranks (epoch times {', '.join(f'{t:.2f}' for t in times)} s)",
+          flush=True)
 
 
 if __name__ == '__main__': main()
