@@ -79,7 +79,8 @@ class DaliDistributed(Callback):
     def before_validate(self): self.learn.dl = self._view(self.dl)
     def after_pred(self):
         "Validation: predictions and targets of every rank's batch, so loss and metrics cover the whole set"
-        if self.training or not isinstance(self.dl, DaliShard) or self.dl.world_size == 1 or not self._in_ddp(): return
+        # `before_validate` made `dl` a `DaliShard` only inside DDP
+        if self.training or not isinstance(self.dl, DaliShard) or self.dl.world_size == 1: return
         self.learn.pred = gather_batches(self.pred)
         self.learn.yb = tuple(gather_batches(y) for y in self.yb)
 

@@ -52,10 +52,13 @@ def main():
         seen,ddp_valid = rec.seen,learn.recorder.values[-1][1:]
         lens = [len(learn.dls.train), len(learn.dls.valid)]
         with learn.no_bar(): preds,targs = learn.get_preds()
+    after_ctx = sum(len(y) for _,y in learn.dls.valid)  # still this rank's shard (documented)
+    learn.dls.valid.shard(0, 1)
+    after_unshard = sum(len(y) for _,y in learn.dls.valid)
     whole = learn.validate()  # outside the context: one process, the whole validation set
     res = dict(rank=rank, world=world, lens=lens, seen=seen, targs=targs.tolist(), n_preds=len(preds),
                ddp_valid=[float(v) for v in ddp_valid], whole_valid=[float(v) for v in whole],
-               seed=dls.train.seed, device=str(dls.train.device))
+               seed=dls.train.seed, device=str(dls.train.device), after_ctx=after_ctx, after_unshard=after_unshard)
     (out/f'rank{rank}.json').write_text(json.dumps(res))
 
 
@@ -73,6 +76,8 @@ def check(out:Path, n_train:int=61, n_valid:int=23, bs:int=4)->str:
     assert a['seen']['train'][0] != a['seen']['train'][1], "a new order every epoch"
     assert a['targs'] == b['targs'] == list(range(n_train, n_train + n_valid)), "get_preds: every item, in order"
     assert a['ddp_valid'] == b['ddp_valid']
+    assert a['after_ctx'] + b['after_ctx'] == n_valid, "right after the context, learn.dls still read the shards"
+    assert a['after_unshard'] == b['after_unshard'] == n_valid, "shard(0, 1) takes the whole set back"
     assert all(math.isclose(d, w, rel_tol=1e-5) for d,w in zip(a['ddp_valid'], a['whole_valid'])), "metrics of the whole validation set"
     return (f"devices {a['device']}, {b['device']}; lens {a['lens']}; train items an epoch {len(set(ta + tb))} unique of "
             f"{len(ta + tb)}; valid on both ranks = items {n_train}..{n_train + n_valid - 1} in order; "

@@ -34,9 +34,8 @@ class EpochTimer(Callback):
     def after_train(self): torch.cuda.synchronize(); self.times.append(time.perf_counter() - self.start)
 
 
-def loader_epochs(dl, epochs:int, rank:int, world:int)->list:
-    "Wall time of `epochs` epochs of `dl`'s shard `rank` alone, reading every batch onto the GPU"
-    dl.shard(rank, world, seed=0)
+def loader_epochs(dl, epochs:int)->list:
+    "Wall time of `epochs` epochs of `dl` (this rank's shard) alone, reading every batch onto the GPU"
     times = []
     for _ in range(epochs):
         torch.cuda.synchronize(); start = time.perf_counter()
@@ -106,7 +105,7 @@ def compare(n_gpus:int, args:list, bs:int):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument('--path', default=None); p.add_argument('--bs', type=int, default=128); p.add_argument('--size', type=int, default=224)
-    p.add_argument('--n-per-class', type=int, default=2000); p.add_argument('--epochs', type=int, default=3)
+    p.add_argument('--n-per-class', type=int, default=2000); p.add_argument('--epochs', type=int, default=4)
     p.add_argument('--loader-only', action='store_true'); p.add_argument('--synthetic', action='store_true')
     p.add_argument('--sync-bn', action='store_true', help="fastai's distrib_ctx default: BatchNorm synchronised across ranks")
     p.add_argument('--compare', type=int, default=0, help='run every case on 1 GPU and on this many, print a table')
@@ -121,7 +120,7 @@ def main():
     dls = DaliDataLoaders.from_folder(path, valid_pct=0.1, bs=a.bs, size=a.size, seed=0)
     n_imgs = len(dls.train.shard(rank, world, seed=0))*a.bs  # a rank's training images an epoch, as the fit shards them
     if a.synthetic: times,what = synthetic_epochs(a.epochs, n_imgs//a.bs, a.bs, a.size, world),'resnet50 bf16, synthetic data, plain DDP'
-    elif a.loader_only: times,what = loader_epochs(dls.train, a.epochs, rank, world),'loader only'
+    elif a.loader_only: times,what = loader_epochs(dls.train, a.epochs),'loader only'
     else: times,what = fit_epochs(dls, a.epochs, world, a.sync_bn),f"resnet50 bf16, fastai + dali_fastai, sync_bn={a.sync_bn}"
     timed = sum(times[1:])
     img_s = n_imgs*world*(len(times)-1)/timed
