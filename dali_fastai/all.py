@@ -10,12 +10,16 @@ __all__ = []
 # %% ../nbs/07_all.ipynb #29604fd2
 from .augment import synthetic_warps
 from .pipeline import train_pipeline, valid_pipeline, IMAGENET_MEAN, IMAGENET_STD
-from .loader import n_batches, DaliNormalize, ImageItems, DaliDataLoader, DaliDataLoaders
+from .files import check_images
+from .loader import n_batches, DaliNormalize, Target, ImageItems, DaliDataLoader
+from .data import DaliDataLoaders
 from .callbacks import UnpackDaliBatch, ClampSchedPos, DaliResetCallback, restart_epoch
+from .distributed import DaliDistributed, DaliCheckpoint
 from .datasets import fashion_mnist, FASHION_MNIST_CLASSES
 from .bench import bench, bench_images
 
 # %% ../nbs/07_all.ipynb #f745ce07
-__all__ = ['synthetic_warps', 'train_pipeline', 'valid_pipeline', 'IMAGENET_MEAN', 'IMAGENET_STD', 'n_batches',
-           'DaliNormalize', 'ImageItems', 'DaliDataLoader', 'DaliDataLoaders', 'UnpackDaliBatch', 'ClampSchedPos',
-           'DaliResetCallback', 'restart_epoch', 'fashion_mnist', 'FASHION_MNIST_CLASSES', 'bench', 'bench_images']
+__all__ = ['synthetic_warps', 'train_pipeline', 'valid_pipeline', 'IMAGENET_MEAN', 'IMAGENET_STD', 'check_images',
+           'n_batches', 'DaliNormalize', 'Target', 'ImageItems', 'DaliDataLoader', 'DaliDataLoaders', 'UnpackDaliBatch',
+           'ClampSchedPos', 'DaliResetCallback', 'restart_epoch', 'DaliDistributed', 'DaliCheckpoint', 'fashion_mnist',
+           'FASHION_MNIST_CLASSES', 'bench', 'bench_images']

@@ -32,7 +32,8 @@ from fastai.vision.core import imagenet_stats
 from fastai.vision.data import ImageDataLoaders
 from fastai.vision.learner import vision_learner
 import dali_fastai
-from .loader import DaliDataLoaders, as_device
+from .loader import as_device
+from .data import DaliDataLoaders
 
 # %% ../nbs/05_bench.ipynb #ada45b6d
 BENCH_PHOTOS = ('astronaut', 'chelsea', 'coffee', 'rocket', 'hubble_deep_field', 'immunohistochemistry', 'retina',
@@ -215,7 +216,7 @@ def bench(path:str|Path|None=None, # ImageNet-style folder; default: `bench_imag
     res['memory']['valid_pipeline'] = pipeline_memory(dls.valid, device)
     time_it = lambda dl: loader_throughput(dl, device, n_batches, warmup, passes)
     res['loader']['dali_fastai train'] = time_it(dls.train)
-    res['loader']['bare DALI iterator'] = time_it(dls.train.new()._build())
+    res['loader']['bare DALI iterator'] = time_it(dls.train.new()._iterator())
     res['loader']['dali_fastai valid'] = time_it(dls.valid)
     fdls = fastai_default_dls(path, size, bs, device) if fastai_loader else None
     if fdls: res['loader']['fastai default train'] = time_it(fdls.train)

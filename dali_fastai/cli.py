@@ -17,7 +17,7 @@ from fastai.vision.learner import vision_learner
 from fastai.callback.schedule import fit_one_cycle, lr_find  # noqa: F401 (adds Learner.fit_one_cycle and lr_find)
 from fastai.callback.progress import ProgressCallback
 from .datasets import fashion_mnist
-from .loader import DaliDataLoaders
+from .data import DaliDataLoaders
 from .bench import bench, bench_images
 
 # %% ../nbs/06_cli.ipynb #abb54b89

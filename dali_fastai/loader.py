@@ -1,4 +1,4 @@
-"""`DaliDataLoader` and `DaliDataLoaders`: DALI pipelines that fastai's `Learner` uses like its own loaders
+"""`DaliDataLoader`: one DALI pipeline that fastai's `Learner` uses like its own loader, yielding typed batches
 
 Docs: https://dali-fastai.github.io/dali_fastai/loader.html.md"""
 
@@ -6,27 +6,28 @@ Docs: https://dali-fastai.github.io/dali_fastai/loader.html.md"""
 
 # %% auto #0
 __all__ = ['FULL_CHECK_LIMIT', 'AUG_OPTIONS', 'n_batches', 'shard_sizes', 'batches_per_rank', 'interleaved_order', 'as_device',
-           'dali_device_id', 'DaliNormalize', 'ImageItems', 'usable_items', 'DaliDataLoader', 'DaliDataLoaders']
+           'dali_device_id', 'DaliNormalize', 'Target', 'category_target', 'ImageItems', 'usable_items', 'DaliEpoch',
+           'derived_seed', 'PipelineSource', 'DaliDataLoader']
 
-# %% ../nbs/03_loader.ipynb #2042a6d0
+# %% ../nbs/03_loader.ipynb #20a7e3fb
 import base64, inspect, os, re, warnings
+from contextlib import contextmanager
 from pathlib import Path
 import numpy as np
-import pandas as pd
 import torch
-from fastcore.basics import first, store_attr, detuplify, tuplify
+from fastcore.basics import first, detuplify, store_attr
 from fastcore.foundation import L
 from fastcore.xtras import is_listy
-from fastai.data.core import DataLoaders, show_batch as show_batch_grid, show_results as show_results_grid
-from fastai.data.transforms import (Categorize, Normalize, RandomSplitter, GrandparentSplitter, ColSplitter,
-                                    RegexLabeller, get_image_files, parent_label)
-from fastai.torch_core import TensorImage, TensorCategory, batch_to_samples, num_distrib
+from fastai.data.core import TfmdLists, show_batch as show_batch_grid, show_results as show_results_grid
+from fastai.data.transforms import Categorize, Normalize
+from fastai.torch_core import TensorImage, TensorCategory, batch_to_samples, num_distrib, retain_type
 from fasttransform import Pipeline
 import fastai.vision.data, fastai.vision.learner  # register `show_batch`/`show_results` for images
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 from .augment import synthetic_warps
 from .files import check_images, describe_bad, bad_files_message
-from .pipeline import train_pipeline, valid_pipeline, augment, IMAGENET_MEAN, IMAGENET_STD
+from .pipeline import new_pipeline, read_files, shuffled, on_device, augment, IMAGENET_MEAN, IMAGENET_STD
+from .translate import ImageRecipe, keyword_recipe, fastai_recipe
 
 # %% ../nbs/03_loader.ipynb #08f11991
 def n_batches(n_items:int, # items in one epoch (one shard)
@@ -99,37 +100,123 @@ class DaliNormalize(Normalize):
     def decodes(self, x:TensorImage):
         return TensorImage((x.float() * self.std.to(x.device) + self.mean.to(x.device)).clamp(0, 1))
 
-# %% ../nbs/03_loader.ipynb #8ed3869c
+# %% ../nbs/03_loader.ipynb #8e6cb584
+class Target:
+    "A typed output: one target of every item, encoded once by fastai's own transforms, batched by item index on the device"
+    def __init__(self, values:torch.Tensor|None, # encoded targets, one row per item, typed as fastai types them; None: unlabelled
+                 tfms:Pipeline, # the fastai transforms that encoded them (`Categorize`, `MultiCategorize`, ...), for `decode`
+                ):
+        self.values,self.tfms,self._on = values,tfms,{}
+
+    @classmethod
+    def encode(cls, objs:list, # raw targets, one per item (a class name, a list of tags, a number...)
+               tfms:list, # fastai transforms turning one of them into a tensor, set up on `objs` as fastai's `Datasets` does
+              ):
+        "The `Target` fastai's `tfms` make of `objs`"
+        return cls(None, TfmdLists(objs, tfms).tfms).encode_like(objs)
+
+    def encode_like(self, objs:list # raw targets of other items (e.g. the validation set's)
+                   ):
+        "A `Target` of `objs`, encoded by these (already set up) transforms"
+        fs = self.tfms.fs
+        if len(fs) == 1 and type(fs[0]) is Categorize:  # the common case, without a transform call per item
+            o2i = fs[0].vocab.o2i
+            return type(self)(TensorCategory(torch.tensor([o2i[o] for o in objs], dtype=torch.long)), self.tfms)
+        return type(self)(torch.stack([self.tfms(o) for o in objs]) if len(objs) else None, self.tfms)
+
+    def batch(self, idx:torch.Tensor, # item indices, on the batch's device
+             )->torch.Tensor: # the items' targets, on that device, of fastai's type
+        "The targets of items `idx`"
+        if idx.device not in self._on: self._on = {idx.device: self.values.to(idx.device)}
+        return self._on[idx.device][idx]
+
+    def subset(self, keep:list # item indices to keep
+              ): return type(self)(None if self.values is None else self.values[keep], self.tfms)
+    def unlabelled(self): return type(self)(None, self.tfms)
+    def decode(self, y, full:bool=True): return self.tfms.decode(y, full=full)
+    def retain(self, y): return y if self.values is None else retain_type(y, self.values)
+    @property
+    def vocab(self): return getattr(self.tfms, 'vocab', None)
+    @property
+    def c(self):
+        c = getattr(self.tfms, 'c', None)
+        return c if c is not None else None if self.vocab is None else len(self.vocab)
+    @property
+    def loss_func(self): return getattr(self.tfms, 'loss_func', None)
+    def __getstate__(self): return {**self.__dict__, '_on': {}}
+    def __repr__(self): return f"{type(self).__name__}({self.tfms})"
+
+# %% ../nbs/03_loader.ipynb #14898584
+def category_target(labels:list|None, # class index of each item, `0 .. len(vocab)-1`; None: unlabelled
+                    vocab:list, # class names, in index order
+                   )->Target:
+    "A single-label `Target` from class indices (no per-item encoding: the indices are the encoding)"
+    values = None if labels is None else TensorCategory(torch.tensor([int(l) for l in labels], dtype=torch.long))
+    return Target(values, Pipeline([Categorize(vocab=list(vocab), sort=False)]))
+
 class ImageItems:
-    "The labelled files a loader reads, and how to decode a label back to its class name"
+    "The image files a loader reads and their `Target`s: what fastai calls the dataset (`dls.train_ds`)"
     def __init__(self, files:list, # image paths
-                 labels:list|None, # class index of each file, or None for unlabelled items
-                 vocab:list, # class names, in label order
+                 labels:list|None=None, # single-label shortcut: class index of each file (with `vocab`)
+                 vocab:list|None=None, # class names, in label order (with `labels`, or for unlabelled items)
                  checked:bool=False, # the files already passed `check_images` (loaders do not check them again)
+                 targets:tuple=(), # `Target`s, instead of `labels`/`vocab`
+                 split_idx:int|None=None, # fastai's split index: 0 training, 1 validation (see `set_split_idx`)
                 ):
         if labels is not None and len(labels) != len(files):
             raise ValueError(f"got {len(files)} files but {len(labels)} labels: give one label per file")
-        self.files = [Path(f) for f in files]
-        self.labels = None if labels is None else [int(l) for l in labels]
-        self.categorize = Categorize(vocab=list(vocab), sort=False)
-        self.checked = checked
+        if vocab is not None and not targets: targets = (category_target(labels, vocab),)
+        for t in targets:
+            if t.values is not None and len(t.values) != len(files):
+                raise ValueError(f"got {len(files)} files but {len(t.values)} targets in {t}: give one per file")
+        self.files,self.targets,self.checked,self.split_idx = [Path(f) for f in files],tuple(targets),checked,split_idx
+
     @property
-    def vocab(self): return self.categorize.vocab
+    def labelled(self)->bool: return bool(self.targets) and self.targets[0].values is not None
     @property
-    def c(self): return len(self.vocab)
+    def labels(self)->list|None:
+        "Each item's first target as a list (class indices for single-label items); None when unlabelled"
+        return self.targets[0].values.tolist() if self.labelled else None
     @property
-    def loss_func(self): return self.categorize.loss_func
+    def vocab(self): return first(t.vocab for t in self.targets if t.vocab is not None)
+    @property
+    def c(self): return first(t.c for t in self.targets if t.c is not None)
+    @property
+    def loss_func(self): return first(t.loss_func for t in self.targets if t.loss_func is not None)
     def __len__(self): return len(self.files)
     def __iter__(self): return (self[i] for i in range(len(self)))
-    def __getitem__(self, i): return (self.files[i],) if self.labels is None else (self.files[i], self.vocab[self.labels[i]])
-    def __repr__(self): return f"{type(self).__name__}({len(self)} files, {self.c} classes)"
-    def decode_label(self, y): return self.categorize.decode(y)
+    def __getitem__(self, i):
+        if not self.labelled: return (self.files[i],)
+        return (self.files[i], *[t.decode(t.values[i]) for t in self.targets])
+    def __repr__(self): return f"{type(self).__name__}({len(self)} files, targets {list(self.targets)})"
+
+    def decode(self, sample:tuple, full:bool=True):
+        "An (image, targets...) sample with its targets decoded to what fastai shows (class names, tags, numbers)"
+        return (sample[0], *[t.decode(y, full=full) for t,y in zip(self.targets, sample[1:])])
+    def decode_label(self, y): return self.targets[0].decode(y)
+
+    def subset(self, keep:list, # indices of the items to keep
+               checked:bool|None=None):
+        "These items at indices `keep`"
+        return type(self)([self.files[i] for i in keep], targets=[t.subset(keep) for t in self.targets],
+                          checked=self.checked if checked is None else checked, split_idx=self.split_idx)
     def without(self, bad:set # files to leave out, as `str` paths
                ):
         "These items less the files in `bad`, marked checked"
-        keep = [i for i,f in enumerate(self.files) if str(f) not in bad]
-        return type(self)([self.files[i] for i in keep], None if self.labels is None else [self.labels[i] for i in keep],
-                          self.vocab, checked=True)
+        return self.subset([i for i,f in enumerate(self.files) if str(f) not in bad], checked=True)
+    def new(self, files:list, # other image paths
+            labelled:bool=False, # keep targets? (then `files` must be these items' files)
+           ):
+        "Unlabelled items over `files` that decode targets as these do (what `test_dl` reads)"
+        return type(self)(files, targets=self.targets if labelled else [t.unlabelled() for t in self.targets])
+
+    @contextmanager
+    def set_split_idx(self, i:int # 0: training transforms (what `Learner.tta` asks for), 1: validation
+                     ):
+        "Read these items with another split's transforms inside the context, as fastai's `Datasets.set_split_idx`"
+        old,self.split_idx = self.split_idx,i
+        try: yield self
+        finally: self.split_idx = old
 
 # %% ../nbs/03_loader.ipynb #862d4005
 FULL_CHECK_LIMIT = 10_000  # on a DALI decode failure, decode at most this many candidate files with PIL
@@ -150,57 +237,164 @@ def usable_items(items:ImageItems, # the items to check
     if bad: warnings.warn(f"skip_bad_files=True: leaving out {len(bad)} file(s) that cannot be decoded: {describe_bad(bad, root, 20)}")
     return items.without({f for f,_ in bad})
 
-# %% ../nbs/03_loader.ipynb #fe705d87
-_ARGS = 'items,bs,size,train,shuffle,drop_last,device,seed,num_threads,prefetch,mean,std,dtype,crop_pct,hw_decoder_load,drain_limit,skip_bad_files,check_files'
-AUG_OPTIONS = {'area', 'ratio', 'n_warps'} | set(inspect.signature(augment).parameters) - {'images', 'size'}
+# %% ../nbs/03_loader.ipynb #30b0ce31
+class DaliEpoch:
+    "One pass over a DALI iterator: it counts the batches taken, stops at `n`, and can be finished early by draining"
+    def __init__(self, it:DALIGenericIterator, # the pipeline's iterator, at the start of a DALI epoch (or of a resumed one)
+                 n:int, # batches this epoch yields (`len(dl)`)
+                 taken:int=0, # batches of a resumed epoch already taken
+                ): self.it,self.n,self.taken,self.done = it,n,taken,False
+
+    def __iter__(self):
+        "DALI's batches (dicts of outputs); an exception from DALI leaves the epoch `broken`"
+        while True:
+            try: data = next(self.it)  # `next()`, not `for`: DALI's `iter()` would try a mid-epoch reset
+            except StopIteration: break
+            if self.taken >= self.n: continue  # sharded: every rank stops at `len`; DALI's epoch may hold one more
+            self.taken += 1
+            yield data[0]
+        self.done = True
+
+    @property
+    def left(self)->int: return self.n - self.taken
+    def drain(self):
+        "Read what is left of DALI's epoch, so the iterator is at the start of the next one"
+        for _ in self: pass
+
+# %% ../nbs/03_loader.ipynb #8f7b1784
 _RANK_STREAM = 1 << 20  # a rank's augmentation seed is derived from (seed, build, _RANK_STREAM, rank)
+
+def derived_seed(seed:int|None, # the user's seed; None: None
+                 *stream:int, # what the seed is for (a build number, a rank...)
+                )->int|None:
+    "A seed of its own for each `stream`, derived from `seed`"
+    return None if seed is None else int(np.random.SeedSequence([seed, *stream]).generate_state(1)[0])
+
+class PipelineSource:
+    "The DALI iterator behind a loader: built on demand, with seeds of its own for every build; closed, checkpointed, resumed"
+    def __init__(self, make, # `make(seed, order_seed, checkpoint)` → a DALI `Pipeline` whose reader is named 'Reader'
+                 names:list, # its outputs' names
+                ):
+        self.make,self.names = make,names
+        self.it,self.key,self.builds,self.order_seed,self.resume = None,None,0,None,None
+
+    def iterator(self, key, # what the pipeline is built for (e.g. recipe and shard): another key rebuilds it
+                 seed:int|None, # the loader's seed
+                 stream:tuple=(), # extra seed stream (a rank's own augmentation)
+                 drop_last:bool=False, # DALI's last-batch policy: drop the partial batch (else keep it)
+                )->DALIGenericIterator:
+        "The iterator, built now if there is none, or none for `key`"
+        if self.it is not None and self.key == key: return self.it
+        resume,self.resume = self.resume,None
+        build = self.builds if resume is None else resume['build']
+        self.builds = build + 1
+        if resume is not None: order_seed = resume['order_seed']
+        elif seed is not None: order_seed = derived_seed(seed, build)
+        else: order_seed = int(np.random.SeedSequence().generate_state(1)[0])  # drawn here, so `state` can save it
+        self.order_seed = order_seed
+        checkpoint = None if resume is None else base64.b64decode(resume['dali'])
+        policy = LastBatchPolicy.DROP if drop_last else LastBatchPolicy.PARTIAL
+        # seeds of its own per build, so a rebuilt loader does not replay the first epoch (or the one `load` left)
+        pipe = self.make(derived_seed(seed, build, *stream), order_seed, checkpoint)
+        self.it,self.key = DALIGenericIterator([pipe], self.names, reader_name='Reader', last_batch_policy=policy,
+                                               auto_reset=True, prepare_first_batch=False),key
+        return self.it
+
+    def close(self): self.it,self.key = None,None
+    def __getstate__(self): return {**self.__dict__, 'it': None, 'key': None, 'resume': None}  # DALI's cannot be pickled
+    def state(self)->dict:
+        "Build number, order seed and DALI's checkpoint (reader positions, random generators), JSON-ready"
+        return {'build': self.builds - 1, 'order_seed': self.order_seed,
+                'dali': None if self.it is None else base64.b64encode(self.it.checkpoints()[0]).decode()}
+    def load(self, state:dict):
+        "Make the next build continue from `state`"
+        self.close()
+        self.builds = state['build'] + 1
+        if state['dali'] is not None: self.resume = state
+
+# %% ../nbs/03_loader.ipynb #47f2ff48
+_NOT_SETTINGS = {'self', 'aug'}
+
+def _loader_settings(cls)->list:
+    "The names of a loader's settings: its `__init__` parameters, the one place they are listed"
+    return [k for k in inspect.signature(cls.__init__).parameters if k not in _NOT_SETTINGS]
+
+def _recipes(size, mean, std, crop_pct, item_tfms, batch_tfms, aug)->tuple:
+    "The (train, valid) `ImageRecipe`s of a loader: from fastai's transforms, or from the augmentation keywords"
+    if item_tfms is None and batch_tfms is None:
+        kw = dict(size=size, crop_pct=crop_pct, mean=IMAGENET_MEAN if mean is None else mean, std=IMAGENET_STD if std is None else std)
+        return keyword_recipe(True, **kw, **aug),keyword_recipe(False, **kw)
+    if aug: raise TypeError(f"augmentation keywords {sorted(aug)} and fastai transforms (item_tfms/batch_tfms) were both given: "
+                            "use one of them (aug_transforms(...) has an argument for each keyword)")
+    res = tuple(fastai_recipe(item_tfms, batch_tfms, train=t) for t in (True, False))
+    if (mean is None) != (std is None): raise ValueError("pass both mean and std, or neither")
+    return res if mean is None else tuple(r.with_normalize(mean, std) for r in res)
+
+# %% ../nbs/03_loader.ipynb #8d43dbd3
+AUG_OPTIONS = {'area', 'ratio', 'n_warps'} | set(inspect.signature(augment).parameters) - {'images', 'size'}
+
+def _after_batch(recipe:ImageRecipe)->Pipeline:
+    "What runs on a loader's batches after DALI: the `Normalize` DALI did (a no-op that decodes), then the transforms left to fastai"
+    norm = [] if recipe.mean is None else [DaliNormalize.from_stats(recipe.mean, recipe.std, cuda=False)]
+    return Pipeline(norm + list(recipe.fastai_tfms))
 
 class DaliDataLoader:
     "A fastai-style loader over one DALI pipeline; every `iter()` is a whole, fresh epoch"
     def __init__(self,
-                 items:ImageItems, # the files, labels and class names to read
+                 items:ImageItems, # the files and their targets
                  bs:int=64, # batch size
-                 size:int=224, # side of the square images, in pixels
-                 train:bool=False, # training augmentation (`train_pipeline`) or validation centre crop (`valid_pipeline`)
+                 size:int|tuple=224, # output size, `(h, w)` or one side (keyword augmentations; fastai transforms set their own)
+                 train:bool=False, # training transforms and augmentation, or validation's
                  shuffle:bool|None=None, # a new order every epoch; default: `train`
                  drop_last:bool|None=None, # drop the last partial batch; default: `train`
                  device:str|torch.device|None=None, # where batches land and DALI runs; default: the GPU if visible
                  seed:int|None=None, # seed for order, augmentation and the fixed warps; None: random
                  num_threads:int|None=None, # DALI CPU threads; default: `default_threads()`
                  prefetch:int=2, # batches DALI prepares ahead
-                 mean:tuple=IMAGENET_MEAN, # normalization mean, 0..1 scale
-                 std:tuple=IMAGENET_STD, # normalization std, 0..1 scale
+                 mean:tuple|None=None, # normalization mean, 0..1 scale; default: ImageNet's with keywords, fastai's `Normalize` with fastai transforms
+                 std:tuple|None=None, # normalization std, 0..1 scale; likewise
                  dtype:str='float32', # 'float32' or 'float16' images
-                 crop_pct:float=0.875, # validation: centre crop's share of the resized shorter side
+                 crop_pct:float=0.875, # validation with keywords: centre crop's share of the resized shorter side
                  hw_decoder_load:float=0.65, # GPU: share of JPEGs for the hardware JPEG decoder (A100, H100, H200)
                  drain_limit:int=4, # an abandoned epoch with at most this many batches left is drained, else rebuilt
                  skip_bad_files:bool=False, # leave out files that fail `check_images` (with one warning), instead of raising
                  check_files:bool=True, # check the files' headers before reading them (False: trust them)
-                 **aug, # training augmentation, see `train_pipeline` and `augment`
+                 item_tfms:list|None=None, # fastai item transforms (`Resize`, `RandomResizedCrop`...), compiled into DALI
+                 batch_tfms:list|None=None, # fastai batch transforms (`aug_transforms()`...): compiled, or run after DALI
+                 num_workers:int|None=None, # accepted for fastai's signatures; DALI decodes with `num_threads` threads
+                 **aug, # augmentation keywords, see `augment` (with keywords; fastai transforms take their own arguments)
                 ):
         if bs < 1: raise ValueError(f"bs must be at least 1, got {bs}")
-        if size < 1: raise ValueError(f"size must be a positive number of pixels, got {size}")
-        if aug and not train: raise ValueError(f"augmentation options {sorted(aug)} only apply to a train=True loader")
         unknown = sorted(set(aug) - AUG_OPTIONS)
-        if unknown: raise TypeError(f"unknown option(s) {unknown}: DaliDataLoader takes {_ARGS.split(',')[1:]} "
+        if unknown: raise TypeError(f"unknown option(s) {unknown}: DaliDataLoader takes {_loader_settings(DaliDataLoader)[1:]} "
                                     f"and the augmentation options {sorted(AUG_OPTIONS)}")
-        shuffle = train if shuffle is None else shuffle
-        drop_last = train if drop_last is None else drop_last
-        self._auto_warps = train and aug.get('warp_mode', 'fixed') == 'fixed' and aug.get('warps') is None
+        self._auto_warps = aug.get('warp_mode', 'fixed') == 'fixed' and aug.get('warps') is None and item_tfms is None and batch_tfms is None
         if self._auto_warps: aug['warps'] = synthetic_warps(aug.pop('n_warps', 7), aug.get('warp_magnitude', 0.1), seed)
+        self.recipes = _recipes(size, mean, std, crop_pct, item_tfms, batch_tfms, aug)
         if check_files: items = usable_items(items, skip_bad_files)
-        store_attr('items,bs,size,train,shuffle,drop_last,seed,num_threads,prefetch,mean,std,dtype,crop_pct,hw_decoder_load,drain_limit,skip_bad_files,check_files,aug')
+        store_attr(but='items,aug')
+        self.items,self.aug = items,aug
+        self.shuffle = train if shuffle is None else shuffle
+        self.drop_last = train if drop_last is None else drop_last
         self.device = as_device(device)
-        self.after_batch = Pipeline([DaliNormalize.from_stats(mean, std, cuda=False)])
-        self._it,self._builds,self._epoch,self._peeks,self._done,self._taken = None,0,0,0,True,0
-        self.rank,self.world_size,self._resume,self._order_seed = 0,1,None,None
+        self.after_batch = _after_batch(self.recipes[0])
+        self._source = PipelineSource(self._pipeline, ['images', 'index'])
+        self._epoch,self._epoch_no,self._taken_at_resume,self._peeks = None,0,0,0
+        self.rank,self.world_size = 0,1
+
+    @property
+    def split_idx(self)->int:
+        "fastai's split index of what this loader reads now: 0 training transforms, 1 validation (`items.set_split_idx` changes it)"
+        return self.items.split_idx if self.items.split_idx is not None else 0 if self.train else 1
+    @property
+    def recipe(self)->ImageRecipe: return self.recipes[self.split_idx]
 
     def __len__(self):
         if self.world_size == 1: return n_batches(len(self.items), self.bs, self.drop_last)
         # in order and keeping the last batch (validation, get_preds): every item once, so pad; else all stop at the fewest
         return batches_per_rank(len(self.items), self.bs, self.world_size, self.drop_last, pad=not (self.shuffle or self.drop_last))
     def __repr__(self):
-        return (f"{type(self).__name__}({len(self.items)} items, bs={self.bs}, size={self.size}, "
+        return (f"{type(self).__name__}({len(self.items)} items, bs={self.bs}, size={self.recipe.size}, "
                 f"{'train' if self.train else 'valid'}, device={self.device})")
     @property
     def dataset(self): return self.items
@@ -211,45 +405,45 @@ class DaliDataLoader:
     @property
     def c(self): return self.items.c
     @property
+    def loss_func(self): return self.items.loss_func
+    @property
     def n_inp(self): return 1
+    def describe(self)->list:
+        "What becomes of each transform: compiled into the DALI graph, or run by fastai after it"
+        return self.recipe.describe()
+    def graph(self)->list:
+        "The DALI operators of this loader's pipeline, in graph order (built, not run)"
+        pipe = self._pipeline(None, 0)
+        pipe.build()
+        names = [re.sub(r'^_+|_\d+$', '', op.name) for op in pipe._ops]  # DALI keeps its operators in `_ops`
+        del pipe
+        return names
 
     def _pipeline(self, seed, order_seed, checkpoint=None):
-        files,labels = self.items.files,([0]*len(self.items) if self.items.labels is None else self.items.labels)
+        "A DALI pipeline reading this loader's items (labelled by their index) through its recipe"
+        files,idx = self.items.files,list(range(len(self.items)))
         if self.world_size > 1 and not self.shuffle:  # the ranks' gathered batches are then the items in order
             idx = interleaved_order(len(files), self.bs, self.world_size)
-            files,labels = [files[i] for i in idx],[labels[i] for i in idx]
-        kw = dict(bs=self.bs, size=self.size, device_id=dali_device_id(self.device), shuffle=self.shuffle, seed=seed,
-                  num_threads=self.num_threads, prefetch=self.prefetch, mean=self.mean, std=self.std, dtype=self.dtype,
-                  hw_decoder_load=self.hw_decoder_load, shard_id=self.rank, num_shards=self.world_size,
-                  order_seed=order_seed, checkpoint=checkpoint)
-        if self.train: return train_pipeline(files, labels, **kw, **self.aug)
-        return valid_pipeline(files, labels, crop_pct=self.crop_pct, **kw)
+            files = [files[i] for i in idx]
+        if self.shuffle: files,idx = shuffled(files, idx, order_seed)
+        device_id = dali_device_id(self.device)
+        pipe = new_pipeline(self.bs, device_id, self.num_threads, seed, self.prefetch, checkpoint)
+        with pipe:
+            encoded,index = read_files(files, idx, shuffle=self.shuffle, shard_id=self.rank, num_shards=self.world_size)
+            images = self.recipe.build(encoded, device_id, hw_decoder_load=self.hw_decoder_load, dtype=self.dtype)
+            pipe.set_outputs(images, on_device(index, device_id))
+        return pipe
 
-    def _seed(self, *extra):
-        "A seed of its own for each pipeline this loader builds, derived from `seed`"
-        if self.seed is None: return None
-        return int(np.random.SeedSequence([self.seed, *extra]).generate_state(1)[0])
-
-    def _build(self):
-        "A new DALI iterator, with seeds of its own so a rebuilt loader does not replay the first epoch (or the one `load_state_dict` left)"
-        resume,self._resume = self._resume,None
-        build = self._builds if resume is None else resume['build']
-        self._builds = build + 1
-        # the order is the same on every rank; augmentation draws differ per rank
-        seed = self._seed(build) if self.world_size == 1 else self._seed(build, _RANK_STREAM, self.rank)
-        if resume is not None: order_seed = resume['order_seed']
-        elif self.seed is not None: order_seed = self._seed(build)
-        else: order_seed = int(np.random.SeedSequence().generate_state(1)[0])  # drawn here, so `state_dict` can save it
-        self._order_seed = order_seed
-        checkpoint = None if resume is None else base64.b64decode(resume['dali'])
-        # sharded: PARTIAL, and `__iter__` stops every rank at `len(self)` (DALI's DROP repeats padding samples then)
-        policy = LastBatchPolicy.DROP if self.drop_last and self.world_size == 1 else LastBatchPolicy.PARTIAL
-        return DALIGenericIterator([self._pipeline(seed, order_seed, checkpoint)], ['images', 'labels'], reader_name='Reader',
-                                   last_batch_policy=policy, auto_reset=True, prepare_first_batch=False)
+    def _iterator(self)->DALIGenericIterator:
+        "The DALI iterator for the current split and shard (the order is the same on every rank; augmentation differs)"
+        stream = () if self.world_size == 1 else (_RANK_STREAM, self.rank)
+        # sharded: PARTIAL, and the epoch stops every rank at `len(self)` (DALI's DROP repeats padding samples then)
+        return self._source.iterator((self.split_idx, self.rank, self.world_size), self.seed, stream,
+                                     drop_last=self.drop_last and self.world_size == 1)
 
     def close(self):
         "Free the DALI pipeline and its memory; the next `iter()` builds a new one"
-        self._it,self._done,self._taken = None,True,0
+        self._source.close(); self._epoch = None
 
     def shard(self, rank:int, # this process's rank, `0 .. world_size-1`
               world_size:int, # number of processes, each reading its own shard
@@ -263,19 +457,24 @@ class DaliDataLoader:
             if seed is None: raise ValueError("with world_size > 1 every rank must draw the same order: make the loaders "
                                               "with seed=..., or pass the seed rank 0 drew (DaliDistributed does)")
             self.seed = seed
-            if self._auto_warps: self.aug['warps'] = synthetic_warps(len(self.aug['warps']), self.aug.get('warp_magnitude', 0.1), seed)
+            if self._auto_warps: self._set_warps(synthetic_warps(len(self.aug['warps']), self.aug.get('warp_magnitude', 0.1), seed))
         if (rank, world_size) != (self.rank, self.world_size): self.close()
         self.rank,self.world_size = rank,world_size
         return self
 
+    def _set_warps(self, warps):
+        "Use these fixed warps (the recipes are made anew with them)"
+        self.aug['warps'] = np.asarray(warps, dtype=np.float32)
+        self.recipes = _recipes(self.size, self.mean, self.std, self.crop_pct, self.item_tfms, self.batch_tfms, self.aug)
+        self.close()
+
     def state_dict(self)->dict:
         "Where this loader is (epoch, batches taken, DALI's reader positions and random generators), as JSON-ready values"
-        it = self._it
+        e = self._epoch
         return {'format': 1, 'n_items': len(self.items), 'bs': self.bs, 'world_size': self.world_size, 'rank': self.rank,
-                'epoch': self._epoch, 'taken': 0 if self._done else self._taken, 'build': self._builds - 1,
-                'order_seed': self._order_seed,
+                'epoch': self._epoch_no, 'taken': 0 if e is None or e.done else e.taken,
                 'warps': None if self.aug.get('warps') is None else np.asarray(self.aug['warps']).tolist(),
-                'dali': None if it is None else base64.b64encode(it.checkpoints()[0]).decode()}
+                **self._source.state()}
 
     def load_state_dict(self, state:dict, # from `state_dict`
                        ):
@@ -287,51 +486,43 @@ class DaliDataLoader:
         if diff: raise ValueError(f"this state is from a different loader ({', '.join(diff)}): resume with the same "
                                   "items, bs and number of ranks")
         self.close()
-        if state['warps'] is not None: self.aug['warps'] = np.array(state['warps'])
-        self._epoch,self._builds = state['epoch'],state['build'] + 1
-        if state['dali'] is not None: self._resume = state
-
-    def _drain(self):
-        "Read what is left of DALI's epoch (`next()`, not `for`: DALI's `iter()` would try a mid-epoch reset)"
-        try:
-            while True: next(self._it)
-        except StopIteration: pass
-        except BaseException:  # e.g. Ctrl-C while draining: the iterator's state is unknown, so it is never reused
-            self.close(); raise
+        if state['warps'] is not None: self._set_warps(state['warps'])
+        self._epoch_no = state['epoch']
+        self._source.load(state)
+        self._taken_at_resume = state['taken'] if state['dali'] is not None else 0
 
     def reset(self):
         "Make the next `iter()` start a whole epoch, whatever happened to the last one"
-        if self._it is None or self._done: return
-        if len(self) - self._taken <= self.drain_limit: self._drain()
-        else: self.close()
-        self._done,self._taken = True,0
+        e,self._epoch = self._epoch,None
+        if e is None or e.done: return
+        if e.left > self.drain_limit: return self._source.close()
+        try: e.drain()
+        except BaseException:  # e.g. Ctrl-C while draining: the iterator's state is unknown, so it is never reused
+            self._source.close(); raise
 
     def __iter__(self):
         self.reset()
-        start = 0 if self._resume is None else self._resume['taken']  # batches of a resumed epoch already taken
-        if self._it is None: self._it = self._build()
-        self._epoch += 1
-        epoch,it,n = self._epoch,self._it,len(self)
-        self._done,self._taken = False,start
+        self._epoch_no += 1
+        taken,self._taken_at_resume = self._taken_at_resume,0  # batches of a resumed epoch already taken
+        epoch = self._epoch = DaliEpoch(self._iterator(), len(self), taken)
+        self.after_batch.split_idx = self.split_idx
+        batches = iter(epoch)
         while True:
-            if epoch != self._epoch:
+            if self._epoch is not epoch:
                 raise RuntimeError("another iter() of this loader started a new epoch while this one was running: a "
                                    "DaliDataLoader runs one epoch at a time; use dl.new() for a second, independent loader")
             failure = None
-            try: data = next(it)
+            try: data = next(batches)
             except StopIteration: break
             except RuntimeError as e:
                 if not _is_decode_failure(e): self.close(); raise
-                failure = self._decode_failure(self._taken)
+                failure = self._decode_failure(epoch.taken)
             except BaseException:  # e.g. Ctrl-C inside DALI: its iterator's state is unknown, so it is never reused
                 self.close(); raise
             if failure is not None:  # raised outside `except`: DALI's error, and the dead pipeline it holds, are freed now
-                self.close(); del it
+                self.close(); del batches,epoch
                 raise ValueError(failure)
-            if self._taken >= n: continue  # sharded: every rank stops at `len`; DALI's epoch may hold one more
-            self._taken += 1
-            yield self.after_batch(self._to_batch(data[0]))
-        self._done = True
+            yield self.after_batch(self._to_batch(data))
 
     def _decode_failure(self, batch):
         "The error for a DALI decoding failure reported at `batch` (0-based): the files PIL cannot decode either"
@@ -350,34 +541,33 @@ class DaliDataLoader:
                 f"{describe_bad([(str(f), 'read then') for f in candidates], n=len(candidates))}. "
                 "Remove the one DALI cannot read, or convert it to PNG")
 
-    def _to_batch(self, d):
+    def _to_batch(self, d:dict)->tuple:
+        "A fastai batch from DALI's outputs: the images, then each target of the items read"
         x = TensorImage(d['images'])
-        if self.items.labels is None: return (x,)
-        return (x, TensorCategory(d['labels'].squeeze(-1).long()))
+        if not self.items.labelled: return (x,)
+        idx = d['index'].squeeze(-1).long()
+        return (x, *[t.batch(idx) for t in self.items.targets])
 
     def one_batch(self):
         "A batch from a short-lived copy of this loader, so a running or later epoch is not disturbed"
         if len(self) == 0: raise ValueError(f"this loader yields no batch: {len(self.items)} items with bs={self.bs}"
                                             + (" and drop_last=True" if self.drop_last else ""))
         self._peeks += 1
-        peek = self.new(seed=self._seed(1 << 30, self._peeks))
+        peek = self.new(seed=derived_seed(self.seed, 1 << 30, self._peeks))
         try: return first(peek)
         finally: peek.close()
 
     def decode(self, b):
-        "Denormalize `b`'s images, first restoring the batch types a `Learner`'s `CastToTensor` strips"
-        b = (TensorImage(b[0]), *[TensorCategory(y) for y in b[1:]])
+        "Undo `after_batch` (denormalize), first restoring the batch types a `Learner`'s `CastToTensor` strips"
+        b = (TensorImage(b[0]), *[t.retain(y) for t,y in zip(self.items.targets, b[1:])], *b[1+len(self.items.targets):])
         return self.after_batch.decode(b)
 
     def decode_batch(self, b, max_n:int=9, full:bool=True):
-        "Decode `b` to a list of samples: denormalized images and class names"
+        "Decode `b` to a list of samples: denormalized images and decoded targets (class names, tags, values)"
         return self._decode_batch(self.decode(b), max_n, full)
 
     def _decode_batch(self, b, max_n=9, full=True):
-        return L(batch_to_samples(b, max_n=max_n)).map(self._decode_sample)
-
-    def _decode_sample(self, s):
-        return (s[0], *[self.items.decode_label(y) for y in s[1:]])
+        return L(batch_to_samples(b, max_n=max_n)).map(self.items.decode, full=full)
 
     def _pre_show_batch(self, b, max_n=9):
         b = self.decode(b)
@@ -389,20 +579,19 @@ class DaliDataLoader:
                    show:bool=True, # False: return what would be shown
                    unique:bool=False, # show one image, augmented `max_n` times
                    **kwargs):
-        "Show a batch of denormalized images with their labels"
+        "Show a batch of denormalized images with their targets"
         if b is None: b = (self.new(items=self._one_item_repeated(max_n), bs=max_n, shuffle=False) if unique else self).one_batch()
         if not show: return self._pre_show_batch(b, max_n=max_n)
         show_batch_grid(*self._pre_show_batch(b, max_n=max_n), ctxs=ctxs, max_n=max_n, **kwargs)
 
     def _one_item_repeated(self, n):
         i = int(np.random.default_rng(self.seed).integers(len(self.items)))
-        lbls = None if self.items.labels is None else [self.items.labels[i]]*n
-        return ImageItems([self.items.files[i]]*n, lbls, self.vocab)
+        return self.items.subset([i]*n)
 
     def show_results(self, b, # a batch
                      out, # the model's decoded predictions for `b`
                      max_n:int=9, ctxs=None, show:bool=True, **kwargs):
-        "Show images with their labels and predictions (what `Learner.show_results` calls)"
+        "Show images with their targets and predictions (what `Learner.show_results` calls)"
         x,y,its = self.show_batch(b, max_n=max_n, show=False)
         b_out = type(b)(b[:self.n_inp] + (tuple(out) if is_listy(out) else (out,)))
         x1,y1,outs = self.show_batch(b_out, max_n=max_n, show=False)
@@ -411,8 +600,11 @@ class DaliDataLoader:
         show_results_grid(*res, ctxs=ctxs, max_n=max_n, **kwargs)
 
     def new(self, **kwargs):
-        "A loader like this one, with `kwargs` changed"
-        args = {k: getattr(self, k) for k in _ARGS.split(',')}
+        "A loader like this one, with `kwargs` changed (fastai's `DataLoader.new`)"
+        if 'shuffled' in kwargs: kwargs['shuffle'] = kwargs.pop('shuffled')  # fastai's `tta` spells it so
+        args = {k: getattr(self, k) for k in _loader_settings(type(self))}
+        if kwargs.get('train', self.train) != self.train:  # the other split's defaults
+            args.update(shuffle=None, drop_last=None)
         return type(self)(**{**args, **self.aug, **kwargs})
 
     def to(self, device):
@@ -424,195 +616,27 @@ class DaliDataLoader:
 
     def new_empty(self):
         "A loader with the same settings and no items: what `Learner.export` pickles"
-        return self.new(items=ImageItems([], [], self.vocab))
+        return self.new(items=self.items.subset([]))
+
+    def add_tfms(self, tfms:list, # fastai transforms
+                 event:str='after_batch', # only 'after_batch': DALI does everything before it
+                ):
+        "Add fastai transforms to run on batches: a `Normalize` is compiled into DALI, others run after it, as fastai's `TfmdDL.add_tfms`"
+        if event != 'after_batch':
+            raise ValueError(f"cannot add transforms to {event!r}: DALI decodes and batches the items, so only 'after_batch' "
+                             "transforms can be added (pass item transforms as item_tfms when making the loaders)")
+        tfms = L(tfms)
+        for norm in tfms.filter(lambda t: isinstance(t, Normalize)): self._compile_normalize(norm)
+        self.after_batch.add(list(tfms.filter(lambda t: not isinstance(t, Normalize))))
+
+    def _compile_normalize(self, norm:Normalize):
+        "Normalize in DALI from now on (the next `iter()` rebuilds the pipeline)"
+        mean,std = [tuple(float(v) for v in getattr(norm, k).flatten()) for k in ('mean', 'std')]
+        self.mean,self.std = mean,std
+        self.recipes = tuple(r.with_normalize(mean, std) for r in self.recipes)
+        self.after_batch = _after_batch(self.recipes[0])
+        self.close()
 
     def __getstate__(self):
         "Pickle the settings, never the DALI pipeline (it cannot be pickled): it is rebuilt on the next `iter()`"
-        return {**self.__dict__, '_it': None, '_done': True, '_taken': 0, '_resume': None}
-
-# %% ../nbs/03_loader.ipynb #870bf3c6
-def _label_ids(labels, vocab, where):
-    idx = {v: i for i,v in enumerate(vocab)}
-    missing = sorted({str(l) for l in labels if l not in idx})
-    if missing: raise ValueError(f"{where} has labels not seen in the training set: {missing[:5]}"
-                                 f"{' ...' if len(missing) > 5 else ''}; every valid class needs training images")
-    return [idx[l] for l in labels]
-
-def _check_class_folders(path, splits, files):
-    "Raise if a class folder under `path/<split>` holds no image: it would silently not be a class"
-    found = {f.parent for f in files}
-    empty = [d for s in splits if (path/s).is_dir() for d in sorted((path/s).iterdir()) if d.is_dir() and d not in found]
-    if empty:
-        names = [str(d.relative_to(path)) for d in empty]
-        raise ValueError(f"class folder(s) with no images: {names[:5]}{' ...' if len(names) > 5 else ''}: add images "
-                         "to them or remove them")
-
-def _check_files(files, where):
-    if len(files) == 0:
-        raise ValueError(f"no images in {where}: check the path and folder names (fastai's get_image_files finds the images)")
-
-# %% ../nbs/03_loader.ipynb #eae2559c
-class DaliDataLoaders(DataLoaders):
-    "fastai `DataLoaders` over DALI pipelines (a train and a valid `DaliDataLoader`), built like `ImageDataLoaders`"
-    @classmethod
-    def from_splits(cls, path, # root of the dataset (saved as `dls.path`)
-                    train_files:list, # training image paths
-                    train_labels:list, # their labels (class names or any hashable)
-                    valid_files:list, # validation image paths
-                    valid_labels:list, # their labels
-                    vocab:list|None=None, # class names in label order; default: sorted training labels
-                    bs:int=64, # batch size
-                    val_bs:int|None=None, # validation batch size; default: `bs`
-                    size:int=224, # side of the square images, in pixels
-                    device:str|torch.device|None=None, # 'cpu', 'gpu' or a torch device; default: the GPU if visible
-                    seed:int|None=None, # seed for order, augmentation and fixed warps
-                    skip_bad_files:bool=False, # leave out files that fail `check_images` (one warning), instead of raising
-                    check_files:bool=True, # check the files' headers first (False: trust them)
-                    **kwargs, # `DaliDataLoader` options (num_threads, dtype, ...) and augmentation (see `augment`)
-                   ):
-        "Train and valid loaders from explicit lists"
-        _check_files(train_files, 'the training set'); _check_files(valid_files, 'the validation set')
-        if len(train_files) != len(train_labels): raise ValueError(f"{len(train_files)} training files but {len(train_labels)} labels")
-        if len(valid_files) != len(valid_labels): raise ValueError(f"{len(valid_files)} validation files but {len(valid_labels)} labels")
-        vocab = list(vocab) if vocab is not None else sorted(set(train_labels), key=str)
-        if check_files:  # both sets in one check: one error, or one warning
-            everything = ImageItems([*train_files, *valid_files], None, vocab)
-            ok = {str(f) for f in usable_items(everything, skip_bad_files, root=path).files}
-            keep_t,keep_v = [str(Path(f)) in ok for f in train_files],[str(Path(f)) in ok for f in valid_files]
-            train_files,train_labels = [f for f,k in zip(train_files, keep_t) if k],[l for l,k in zip(train_labels, keep_t) if k]
-            valid_files,valid_labels = [f for f,k in zip(valid_files, keep_v) if k],[l for l,k in zip(valid_labels, keep_v) if k]
-            _check_files(train_files, 'the training set, once the bad files are left out')
-            _check_files(valid_files, 'the validation set, once the bad files are left out')
-        valid_kw = {k: v for k,v in kwargs.items() if k in ('num_threads', 'prefetch', 'mean', 'std', 'dtype', 'crop_pct', 'hw_decoder_load', 'drain_limit')}
-        checks = dict(skip_bad_files=skip_bad_files, check_files=check_files)
-        train = DaliDataLoader(ImageItems(train_files, _label_ids(train_labels, vocab, 'the training set'), vocab, checked=check_files),
-                               bs=bs, size=size, train=True, device=device, seed=seed, **checks, **kwargs)
-        valid = DaliDataLoader(ImageItems(valid_files, _label_ids(valid_labels, vocab, 'the validation set'), vocab, checked=check_files),
-                               bs=val_bs or bs, size=size, device=device, seed=seed, **checks, **valid_kw)
-        if len(train) == 0:
-            raise ValueError(f"bs={bs} is larger than the {len(train_files)} training images, and training drops the last "
-                             "partial batch: use a smaller bs")
-        if valid.bs > len(valid_files):
-            raise ValueError(f"val_bs={valid.bs} is larger than the {len(valid_files)} validation images, so no validation batch "
-                             f"would be full: pass val_bs={len(valid_files)} (or less), or hold out more images for validation")
-        return cls(train, valid, path=path, device=train.device)
-
-    @classmethod
-    def from_lists(cls, path, # root of the dataset
-                   fnames:list, # image paths
-                   labels:list, # one label per image
-                   valid_pct:float=0.2, # share of images held out for validation
-                   seed:int|None=None, # seed for the split (and the loaders)
-                   **kwargs, # see `from_splits`
-                  ):
-        "Loaders from a list of images and their labels, split at random"
-        if len(fnames) != len(labels): raise ValueError(f"{len(fnames)} files but {len(labels)} labels")
-        _check_files(fnames, f"the list given for {path}")
-        t,v = RandomSplitter(valid_pct, seed=seed)(fnames)
-        return cls.from_splits(path, [fnames[i] for i in t], [labels[i] for i in t],
-                               [fnames[i] for i in v], [labels[i] for i in v], seed=seed, **kwargs)
-
-    @classmethod
-    def from_folder(cls, path, # root folder
-                    train:str='train', # training subfolder
-                    valid:str='valid', # validation subfolder (ignored when `valid_pct` is given)
-                    valid_pct:float|None=None, # split `train` at random instead of using `valid`
-                    seed:int|None=None, # seed for the split (and the loaders)
-                    vocab:list|None=None, # class names in label order; default: sorted folder names
-                    **kwargs, # see `from_splits`
-                   ):
-        "Loaders from an ImageNet-style folder: `path/train/<class>/*.jpg` and `path/valid/<class>/*.jpg`"
-        path = Path(path)
-        if not path.is_dir(): raise FileNotFoundError(f"dataset folder {str(path)!r} does not exist")
-        if valid_pct is not None:
-            files = get_image_files(path/train)
-            _check_files(files, str(path/train))
-            _check_class_folders(path, [train], files)
-            return cls.from_lists(path, files, [parent_label(f) for f in files], valid_pct=valid_pct, seed=seed,
-                                  vocab=vocab, **kwargs)
-        files = get_image_files(path, folders=[train, valid])
-        t,v = GrandparentSplitter(train_name=train, valid_name=valid)(files)
-        _check_files(t, str(path/train)); _check_files(v, str(path/valid))
-        _check_class_folders(path, [train, valid], files)
-        return cls.from_splits(path, files[t], [parent_label(f) for f in files[t]],
-                               files[v], [parent_label(f) for f in files[v]], vocab=vocab, seed=seed, **kwargs)
-
-    @classmethod
-    def from_name_func(cls, path, fnames:list, label_func, # function from a path to its label
-                       **kwargs):
-        "Loaders labelling each file with `label_func(path)`"
-        return cls.from_lists(path, fnames, [label_func(f) for f in fnames], **kwargs)
-
-    @classmethod
-    def from_path_func(cls, path, fnames:list, label_func, **kwargs):
-        "Loaders labelling each file with `label_func(path)` (same as `from_name_func`, as in fastai)"
-        return cls.from_name_func(path, fnames, label_func, **kwargs)
-
-    @classmethod
-    def from_path_re(cls, path, fnames:list, pat:str, # regex whose first group, searched in the full path, is the label
-                     **kwargs):
-        "Loaders labelling each file by a regular expression on its full path"
-        return cls.from_lists(path, fnames, [RegexLabeller(pat)(f) for f in fnames], **kwargs)
-
-    @classmethod
-    def from_name_re(cls, path, fnames:list, pat:str, # regex whose first group, searched in the file name, is the label
-                     **kwargs):
-        "Loaders labelling each file by a regular expression on its name"
-        return cls.from_lists(path, fnames, [RegexLabeller(pat)(Path(f).name) for f in fnames], **kwargs)
-
-    @classmethod
-    def from_df(cls, df:pd.DataFrame, path='.', # root the file names are relative to
-                valid_pct:float=0.2, seed:int|None=None,
-                fn_col=0, # column of file names
-                folder:str|None=None, # subfolder of `path` holding the files
-                suff:str='', # suffix added to every file name
-                label_col=1, # column of labels
-                label_delim:str|None=None, # multi-label delimiter: not supported (single-label classification only)
-                valid_col=None, # boolean column marking validation rows; default: random split with `valid_pct`
-                **kwargs):
-        "Loaders from a DataFrame of file names and labels"
-        if label_delim is not None:
-            raise NotImplementedError("dali_fastai does single-label classification; multi-label (label_delim) is not supported")
-        fn_col,label_col = [df.columns[c] if isinstance(c, int) else c for c in (fn_col, label_col)]
-        root = Path(path)/folder if folder else Path(path)
-        fnames = [root/f'{f}{suff}' for f in df[fn_col]]
-        labels = list(df[label_col])
-        if valid_col is None: return cls.from_lists(path, fnames, labels, valid_pct=valid_pct, seed=seed, **kwargs)
-        v = df[valid_col].values.astype(bool)
-        return cls.from_splits(path, [f for f,m in zip(fnames, v) if not m], [l for l,m in zip(labels, v) if not m],
-                               [f for f,m in zip(fnames, v) if m], [l for l,m in zip(labels, v) if m], seed=seed, **kwargs)
-
-    @classmethod
-    def from_csv(cls, path, csv_fname='labels.csv', # CSV file in `path`
-                 header='infer', delimiter=None, **kwargs):
-        "Loaders from a CSV file of file names and labels (see `from_df`)"
-        df = pd.read_csv(Path(path)/csv_fname, header=header, delimiter=delimiter)
-        return cls.from_df(df, path, **kwargs)
-
-    def test_dl(self, test_items:list, # image paths, or `(path, class name)` pairs as `dl.items` holds them
-                rm_type_tfms=None, # fastai's predict passes None; anything else is not supported
-                with_labels:bool=False, # labelled batches: the pairs' class names, else each file's parent folder
-                num_workers:int|None=None, # unused: DALI decodes with threads (`num_threads`); fastai's predict passes 0
-                process:bool|None=None, # unused: fastai's `Interpretation` passes it; DALI processes every item
-                **kwargs, # changed `DaliDataLoader` settings, e.g. `bs`
-               )->DaliDataLoader: # an in-order, validation-style loader
-        "A loader over `test_items` that decodes the way the validation loader does"
-        if rm_type_tfms is not None: raise ValueError("rm_type_tfms is not supported by DaliDataLoaders")
-        files = [self._as_path(o[0] if isinstance(o, tuple) else o) for o in test_items]
-        labels = None
-        if with_labels:
-            names = [o[1] if isinstance(o, tuple) else parent_label(f) for o,f in zip(test_items, files)]
-            labels = _label_ids(names, self.vocab, 'test_items')
-        return self.valid.new(items=ImageItems(files, labels, self.vocab), shuffle=False, drop_last=False, **kwargs)
-
-    @staticmethod
-    def _as_path(o):
-        if isinstance(o, (str, Path)):
-            if not Path(o).is_file(): raise FileNotFoundError(f"image {str(o)!r} does not exist")
-            return Path(o)
-        raise TypeError(f"dali_fastai reads images from files, got a {type(o).__name__}: save it (e.g. img.save('x.jpg')) "
-                        "and pass the path")
-
-    def new_empty(self):
-        "Loaders with the same settings and no items (what `Learner.export` saves)"
-        return type(self)(*[dl.new_empty() for dl in self.loaders], path=self.path, device=self.device)
+        return {**self.__dict__, '_epoch': None, '_taken_at_resume': 0}

@@ -15,7 +15,8 @@ from fastai.metrics import accuracy
 
 sys.path.insert(0, str(Path(__file__).parent))
 from helpers import make_index_images, index_items, MAX_INDEX
-from dali_fastai.loader import DaliDataLoaders, DaliDataLoader
+from dali_fastai.loader import DaliDataLoader
+from dali_fastai.data import DaliDataLoaders
 from dali_fastai.distributed import DaliDistributed
 
 

@@ -14,7 +14,8 @@ from fastai.learner import Learner
 from fastai.losses import CrossEntropyLossFlat
 
 from dali_fastai.datasets import fashion_mnist, FASHION_MNIST_CLASSES
-from dali_fastai.loader import DaliDataLoader, DaliDataLoaders, ImageItems
+from dali_fastai.loader import DaliDataLoader, ImageItems
+from dali_fastai.data import DaliDataLoaders
 from dali_fastai.pipeline import IMAGENET_MEAN, IMAGENET_STD
 
 MAX_INDEX = 256  # `index_colour` encodes 0 .. 255

@@ -18,7 +18,8 @@ from fastai.losses import CrossEntropyLossFlat
 
 from helpers import make_index_images, index_items, index_loader, epoch_items, MAX_INDEX
 import ddp_worker
-from dali_fastai.loader import DaliDataLoaders, DaliDataLoader, ImageItems, batches_per_rank
+from dali_fastai.loader import DaliDataLoader, ImageItems, batches_per_rank
+from dali_fastai.data import DaliDataLoaders
 from dali_fastai.distributed import DaliCheckpoint, DaliDistributed, DaliShard, STATE_KEY
 
 HERE = Path(__file__).parent
@@ -78,7 +79,7 @@ def test_ranks_draw_their_own_augmentation(tmp_path):
     dls = [DaliDataLoader(gradient_items(tmp_path, 16), bs=4, size=8, train=True, device='cpu', seed=5).shard(r, 2) for r in range(2)]
     (x0,_),(x1,_) = [first(dl) for dl in dls]
     assert not torch.equal(x0, x1)
-    assert dls[0]._order_seed == dls[1]._order_seed
+    assert dls[0]._source.order_seed == dls[1]._source.order_seed
 
 
 def test_train_style_loader_in_order_pads_like_validation(files):

@@ -15,7 +15,8 @@ from nvidia.dali.pipeline import Pipeline
 
 import dali_fastai.files as files_mod
 from dali_fastai.files import check_image, check_images, cache_dir, bad_files_message
-from dali_fastai.loader import DaliDataLoader, DaliDataLoaders, ImageItems
+from dali_fastai.loader import DaliDataLoader, ImageItems
+from dali_fastai.data import DaliDataLoaders
 from helpers import denorm, tiny_model
 
 
@@ -256,7 +257,7 @@ def test_run_time_decode_failure_names_the_file(tmp_path, train, where):
         with pytest.raises(ValueError) as e: list(dl)
         # the dead pipeline is freed at once, not left in a reference cycle for the garbage collector (which would run
         # DALI's shutdown at a random later time, even in a forked child process, where it crashes)
-        assert dl._it is None and dali_pipelines() == before
+        assert dl._source.it is None and dali_pipelines() == before
     finally: gc.enable()
     msg = str(e.value)
     assert repr(str(bad)) in msg and 'skip_bad_files=True' in msg and 'DALI could not decode' in msg, msg

@@ -17,7 +17,8 @@ from fastai.metrics import accuracy
 from fastai.vision.learner import vision_learner, model_meta
 from torchvision.models import resnet18
 
-from dali_fastai.loader import DaliDataLoaders, DaliNormalize
+from dali_fastai.loader import DaliNormalize
+from dali_fastai.data import DaliDataLoaders
 from helpers import fmnist_path, fmnist_subset
 
 SIZE = 28

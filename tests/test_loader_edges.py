@@ -19,7 +19,8 @@ from fastai.learner import Learner
 from fastai.losses import CrossEntropyLossFlat
 from PIL import Image
 
-from dali_fastai.loader import DaliDataLoader, DaliDataLoaders, ImageItems
+from dali_fastai.loader import DaliDataLoader, ImageItems
+from dali_fastai.data import DaliDataLoaders
 from helpers import (MAX_INDEX, make_index_images, index_items, index_loader, epoch_items, fmnist_subset, tiny_model,
                      Items, RaiseAt, index_learner, N_TRAIN, N_VALID, BS)
 
@@ -127,10 +128,10 @@ def test_whole_epoch_after_abandoned_epoch(files, train, abandon, drain_limit):
     kept = []  # what an abandoning call returns stays referenced until the end
     for repeat in range(2):
         kept.append(ABANDON[abandon](dl))
-        builds = dl._builds  # (private) the number of DALI pipelines built so far: tells drain from rebuild
+        builds = dl._source.builds  # (private) the number of DALI pipelines built so far: tells drain from rebuild
         _check_whole(dl, n, epochs=1)
         if abandon in ('one_batch', 'show_batch'): continue  # they read a short-lived copy: the loader is untouched
-        assert dl._builds == builds + (drain_limit == 0), "drain_limit chooses drain (no new pipeline) or rebuild"
+        assert dl._source.builds == builds + (drain_limit == 0), "drain_limit chooses drain (no new pipeline) or rebuild"
     _check_whole(dl, n)
 
 
@@ -198,14 +199,14 @@ def test_learner_epoch_after_callback_cancel(files, tmp_path, kind, drain_limit)
 def test_learner_fit_after_lr_find(files, tmp_path, drain_limit):
     learn = index_learner(files, tmp_path, drain_limit)
     items = learn.cbs.filter(lambda cb: isinstance(cb, Items))[0]
-    builds = learn.dls.train._builds
+    builds = learn.dls.train._source.builds
     learn.lr_find(num_it=6, stop_div=False, show_plot=False)  # stops after 6 of the 10 batches
     assert len(items.train_items[0]) == 6*BS
     learn.fit(2)
     assert len(items.train_items) == 2
     for i,t in enumerate(items.train_items): _assert_whole_train(t, f'fit epoch {i} after lr_find')
     assert items.valid_items == [VALID_ITEMS]*2
-    assert learn.dls.train._builds == builds + 1 + (drain_limit == 0)
+    assert learn.dls.train._source.builds == builds + 1 + (drain_limit == 0)
 
 
 def _threads():

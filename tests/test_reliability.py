@@ -15,7 +15,8 @@ from fastai.callback.core import Callback, CancelEpochException
 from fastai.learner import Learner
 from fastai.losses import CrossEntropyLossFlat
 
-from dali_fastai.loader import DaliDataLoader, DaliDataLoaders
+from dali_fastai.loader import DaliDataLoader
+from dali_fastai.data import DaliDataLoaders
 from helpers import (MAX_INDEX, make_index_images, index_items, index_loader, epoch_items, tiny_model, Items, RaiseAt,
                      index_learner, N_TRAIN, N_VALID, BS)
 
@@ -81,7 +82,7 @@ def _interrupt_inside_dali(dl):
     """Make DALI's iterator raise KeyboardInterrupt once inside its `__next__`, after it has taken a batch from the
     pipeline and before it has counted it: where a real Ctrl-C lands, since the signal arrives while the main thread
     waits in `share_outputs` and Python runs its handler as soon as that call returns."""
-    dali = dl._it  # (private) the DALIGenericIterator of the running epoch
+    dali = dl._source.it  # (private) the DALIGenericIterator of the running epoch
     def schedule_runs(*args, **kwargs):
         del dali._schedule_runs  # once
         raise KeyboardInterrupt
@@ -372,7 +373,7 @@ import sys, tempfile
 from fastai.callback.core import Callback
 from fastai.learner import Learner
 from fastai.losses import CrossEntropyLossFlat
-from dali_fastai.loader import DaliDataLoaders
+from dali_fastai.data import DaliDataLoaders
 from helpers import make_index_images, tiny_model
 files = make_index_images(tempfile.mkdtemp(), 30)
 dls = DaliDataLoaders.from_splits('.', files[:20], [i % 3 for i in range(20)], files[20:], [i % 3 for i in range(10)],
@@ -407,7 +408,7 @@ def test_interpreter_exits_promptly(ending):
 
 SEEDED_RUN = """
 import hashlib, json, sys
-from dali_fastai.loader import DaliDataLoaders
+from dali_fastai.data import DaliDataLoaders
 from helpers import fmnist_path, fmnist_subset
 files,labels = fmnist_subset(4)
 dls = DaliDataLoaders.from_lists(fmnist_path(), files, labels, valid_pct=0.25, seed=7, bs=8, size=16, device='cpu',

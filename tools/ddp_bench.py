@@ -24,7 +24,7 @@ from torchvision.models import resnet50
 
 from dali_fastai.bench import bench_images
 from dali_fastai.distributed import DaliDistributed
-from dali_fastai.loader import DaliDataLoaders
+from dali_fastai.data import DaliDataLoaders
 
 
 class EpochTimer(Callback):
