@@ -170,6 +170,17 @@ def test_batch_true_draws_once_per_batch(name):
     assert lo - 1e-5 <= v.min() and v.max() <= hi + 1e-5
 
 
+@pytest.mark.parametrize('tfm', [Brightness(p=0.3), Contrast(p=0.3), Saturation(p=0.3), Hue(p=0.3)],
+                         ids=lambda t: type(t).__name__)
+def test_probability_through_the_node(tfm):
+    "A saturated, off-centre colour shows every change; each sample is changed with probability p, on its own"
+    im = np.full((N, 1, 1, 3), [0.8, 0.3, 0.2], dtype=np.float32)
+    (out,), = run(lambda x: colour_node(x, tfm), images=im)
+    changed = np.abs(out - im).reshape(N, -1).max(1) > 1e-5
+    assert_binomial(changed.sum(), N, 0.3, f"{type(tfm).__name__}: samples changed")
+    assert_binomial((changed[1:] == changed[:-1]).sum(), N - 1, 0.3**2 + 0.7**2, f"{type(tfm).__name__}: neighbours")
+
+
 def test_brightness_and_contrast_coins_independent_through_the_node():
     "Two pixels recover each sample's brightness `b` and contrast `c` from aug_transforms' composed lighting"
     p = 0.5
