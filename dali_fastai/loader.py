@@ -12,6 +12,7 @@ __all__ = ['FULL_CHECK_LIMIT', 'AUG_OPTIONS', 'n_batches', 'shard_sizes', 'batch
 # %% ../nbs/03_loader.ipynb #20a7e3fb
 import base64, inspect, os, re, warnings
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path
 import numpy as np
 import torch
@@ -26,7 +27,7 @@ import fastai.vision.data, fastai.vision.learner  # register `show_batch`/`show_
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 from .augment import synthetic_warps
 from .files import check_images, describe_bad, bad_files_message
-from .pipeline import new_pipeline, read_files, shuffled, on_device, augment, IMAGENET_MEAN, IMAGENET_STD
+from .pipeline import classification_pipeline, augment, IMAGENET_MEAN, IMAGENET_STD
 from .translate import ImageRecipe, keyword_recipe, fastai_recipe
 
 # %% ../nbs/03_loader.ipynb #08f11991
@@ -420,19 +421,15 @@ class DaliDataLoader:
         return names
 
     def _pipeline(self, seed, order_seed, checkpoint=None):
-        "A DALI pipeline reading this loader's items (labelled by their index) through its recipe"
+        "A DALI pipeline reading this loader's items, labelled by their index, through its recipe"
         files,idx = self.items.files,list(range(len(self.items)))
         if self.world_size > 1 and not self.shuffle:  # the ranks' gathered batches are then the items in order
             idx = interleaved_order(len(files), self.bs, self.world_size)
             files = [files[i] for i in idx]
-        if self.shuffle: files,idx = shuffled(files, idx, order_seed)
         device_id = dali_device_id(self.device)
-        pipe = new_pipeline(self.bs, device_id, self.num_threads, seed, self.prefetch, checkpoint)
-        with pipe:
-            encoded,index = read_files(files, idx, shuffle=self.shuffle, shard_id=self.rank, num_shards=self.world_size)
-            images = self.recipe.build(encoded, device_id, hw_decoder_load=self.hw_decoder_load, dtype=self.dtype)
-            pipe.set_outputs(images, on_device(index, device_id))
-        return pipe
+        images = partial(self.recipe.build, device_id=device_id, hw_decoder_load=self.hw_decoder_load, dtype=self.dtype)
+        return classification_pipeline(files, idx, self.bs, images, device_id, self.shuffle, seed, self.num_threads,
+                                       self.prefetch, self.rank, self.world_size, order_seed, checkpoint)
 
     def _iterator(self)->DALIGenericIterator:
         "The DALI iterator for the current split and shard (the order is the same on every rank; augmentation differs)"

@@ -7,7 +7,7 @@ Docs: https://dali-fastai.github.io/dali_fastai/pipeline.html.md"""
 # %% auto #0
 __all__ = ['IMAGENET_MEAN', 'IMAGENET_STD', 'read_files', 'shuffled', 'decoder_device', 'decode_random_crop',
            'decode_center_crop', 'augment', 'normalize', 'default_threads', 'new_pipeline', 'on_device',
-           'train_pipeline', 'valid_pipeline']
+           'classification_pipeline', 'train_pipeline', 'valid_pipeline']
 
 # %% ../nbs/02_pipeline.ipynb #e5c43764
 import os
@@ -144,6 +144,29 @@ def on_device(x:DataNode, device_id:int|None)->DataNode:
     "`x` moved to the GPU when the pipeline has one"
     return x if device_id is None else x.gpu()
 
+# %% ../nbs/02_pipeline.ipynb #bfbf41e4
+def classification_pipeline(files:list, # image paths
+                            labels:list, # integer label of each file (a class, or an item index)
+                            bs:int, # batch size
+                            images, # `images(encoded)` → the graph's image output (decode, augment, normalize)
+                            device_id:int|None=None, # GPU id, or None for the CPU backend
+                            shuffle:bool=False, # a new order every epoch
+                            seed:int|None=None, # seed of every random operator; None: random
+                            num_threads:int|None=None, # CPU threads; None: `default_threads()`
+                            prefetch:int=2, # batches prepared ahead
+                            shard_id:int=0, # this process's shard
+                            num_shards:int=1, # number of shards
+                            order_seed:int|None=None, # seed of the first epoch's order; default: `seed` (DDP ranks share it)
+                            checkpoint:bytes|None=None, # a DALI checkpoint of this pipeline to resume from
+                           )->Pipeline: # outputs `images` and `labels` (N,1) int32, on the pipeline's device
+    "The body every pipeline here shares: (shuffled) reader → `images(encoded)`, and the labels beside them"
+    if shuffle: files,labels = shuffled(files, labels, seed if order_seed is None else order_seed)
+    pipe = new_pipeline(bs, device_id, num_threads, seed, prefetch, checkpoint)
+    with pipe:
+        encoded,lbls = read_files(files, labels, shuffle=shuffle, shard_id=shard_id, num_shards=num_shards)
+        pipe.set_outputs(images(encoded), on_device(lbls, device_id))
+    return pipe
+
 # %% ../nbs/02_pipeline.ipynb #73af98f4
 def train_pipeline(files:list, # image paths
                    labels:list, # integer class of each file
@@ -168,14 +191,11 @@ def train_pipeline(files:list, # image paths
                   )->Pipeline: # outputs `images` (N,3,size,size) and `labels` (N,1) int32
     "The training pipeline: shuffled reader → random-resized-crop decode → `augment` → `normalize`"
     if size < 1: raise ValueError(f"size must be a positive number of pixels, got {size}")
-    if shuffle: files,labels = shuffled(files, labels, seed if order_seed is None else order_seed)
-    pipe = new_pipeline(bs, device_id, num_threads, seed, prefetch, checkpoint)
-    with pipe:
-        encoded,lbls = read_files(files, labels, shuffle=shuffle, shard_id=shard_id, num_shards=num_shards)
+    def images(encoded):
         images = decode_random_crop(encoded, size, device_id, area=area, ratio=ratio, hw_decoder_load=hw_decoder_load)
-        images = augment(images, size, **aug)
-        pipe.set_outputs(normalize(images, mean, std, dtype), on_device(lbls, device_id))
-    return pipe
+        return normalize(augment(images, size, **aug), mean, std, dtype)
+    return classification_pipeline(files, labels, bs, images, device_id, shuffle, seed, num_threads, prefetch, shard_id,
+                                   num_shards, order_seed, checkpoint)
 
 # %% ../nbs/02_pipeline.ipynb #be32b992
 def valid_pipeline(files:list, # image paths
@@ -199,10 +219,7 @@ def valid_pipeline(files:list, # image paths
                   )->Pipeline: # outputs `images` (N,3,size,size) and `labels` (N,1) int32
     "The validation pipeline: reader (in order by default) → decode → resize shorter side → centre crop → `normalize`"
     if size < 1: raise ValueError(f"size must be a positive number of pixels, got {size}")
-    if shuffle: files,labels = shuffled(files, labels, seed if order_seed is None else order_seed)
-    pipe = new_pipeline(bs, device_id, num_threads, seed, prefetch, checkpoint)
-    with pipe:
-        encoded,lbls = read_files(files, labels, shuffle=shuffle, shard_id=shard_id, num_shards=num_shards)
-        images = decode_center_crop(encoded, size, device_id, crop_pct, hw_decoder_load)
-        pipe.set_outputs(normalize(images, mean, std, dtype), on_device(lbls, device_id))
-    return pipe
+    def images(encoded):
+        return normalize(decode_center_crop(encoded, size, device_id, crop_pct, hw_decoder_load), mean, std, dtype)
+    return classification_pipeline(files, labels, bs, images, device_id, shuffle, seed, num_threads, prefetch, shard_id,
+                                   num_shards, order_seed, checkpoint)
