@@ -11,6 +11,7 @@ __all__ = ['label_targets', 'dblock_items', 'image_file', 'InMemoryImages', 'Dal
 import tempfile, warnings
 from pathlib import Path
 import pandas as pd
+from PIL import Image
 import torch
 from fastcore.basics import ifnone
 from fastcore.foundation import L
@@ -130,7 +131,7 @@ def _image_path(x, i:int)->Path:
                     "images from files (make get_x return the path)")
 
 # %% ../nbs/03a_data.ipynb #439f1ffd
-def image_file(o, # a path, `PIL.Image`, numpy array (HWC), tensor (CHW), or encoded image bytes
+def image_file(o, # a path, `PIL.Image`, uint8 numpy array (HWC), uint8 tensor (CHW), or encoded image bytes
                folder:Path, # where to write an in-memory image
                i:int, # its number (the file name)
               )->Path: # a file DALI can read
@@ -144,7 +145,8 @@ def image_file(o, # a path, `PIL.Image`, numpy array (HWC), tensor (CHW), or enc
         f = folder/f'{i}.{fmt.lower().replace(" ", "")}'
         f.write_bytes(bytes(o))
         return f
-    try: img = PILImage.create(o)
+    if isinstance(o, torch.Tensor): o = (o.permute(1, 2, 0) if o.ndim == 3 and o.shape[0] in (1, 3) else o).cpu().numpy()
+    try: img = o if isinstance(o, Image.Image) else PILImage.create(o)
     except Exception as e:
         raise TypeError(f"item {i}: cannot make an image of a {type(o).__name__} ({e}): pass a path, a PIL image, an HWC uint8 "
                         "array, a CHW tensor or encoded bytes") from e
@@ -335,13 +337,12 @@ class DaliDataLoaders(DataLoaders):
         "A loader over `test_items` that decodes the way the validation loader does"
         if rm_type_tfms is not None: raise ValueError("rm_type_tfms is not supported by DaliDataLoaders")
         mem = InMemoryImages([o[0] if isinstance(o, tuple) else o for o in test_items])
-        items = self.valid.items.new(mem.files)
+        items = self.valid.items.new(mem.files, owner=mem)  # the in-memory images' files live as long as the items
         if with_labels:
             labels = [o[1] if isinstance(o, tuple) else parent_label(f) for o,f in zip(test_items, mem.files)]
             t = self.valid.items.targets[0]
             if t.vocab is not None: _unseen(labels, t.vocab, 'test_items')
-            items = ImageItems(mem.files, targets=[t.encode_like(labels)])
-        items.keep = mem  # the in-memory images' files live as long as the items
+            items = ImageItems(mem.files, targets=[t.encode_like(labels)], owner=mem)
         return self.valid.new(items=items, shuffle=False, drop_last=False, **kwargs)
 
     def summary(self, show:bool=True, # print the report

@@ -163,6 +163,7 @@ class ImageItems:
                  checked:bool=False, # the files already passed `check_images` (loaders do not check them again)
                  targets:tuple=(), # `Target`s, instead of `labels`/`vocab`
                  split_idx:int|None=None, # fastai's split index: 0 training, 1 validation (see `set_split_idx`)
+                 owner=None, # what the files live as long as (e.g. the temporary folder of in-memory images)
                 ):
         if labels is not None and len(labels) != len(files):
             raise ValueError(f"got {len(files)} files but {len(labels)} labels: give one label per file")
@@ -171,6 +172,7 @@ class ImageItems:
             if t.values is not None and len(t.values) != len(files):
                 raise ValueError(f"got {len(files)} files but {len(t.values)} targets in {t}: give one per file")
         self.files,self.targets,self.checked,self.split_idx = [Path(f) for f in files],tuple(targets),checked,split_idx
+        self.owner = owner
 
     @property
     def labelled(self)->bool: return bool(self.targets) and self.targets[0].values is not None
@@ -200,16 +202,16 @@ class ImageItems:
                checked:bool|None=None):
         "These items at indices `keep`"
         return type(self)([self.files[i] for i in keep], targets=[t.subset(keep) for t in self.targets],
-                          checked=self.checked if checked is None else checked, split_idx=self.split_idx)
+                          checked=self.checked if checked is None else checked, split_idx=self.split_idx, owner=self.owner)
     def without(self, bad:set # files to leave out, as `str` paths
                ):
         "These items less the files in `bad`, marked checked"
         return self.subset([i for i,f in enumerate(self.files) if str(f) not in bad], checked=True)
     def new(self, files:list, # other image paths
-            labelled:bool=False, # keep targets? (then `files` must be these items' files)
+            owner=None, # what the files live as long as
            ):
         "Unlabelled items over `files` that decode targets as these do (what `test_dl` reads)"
-        return type(self)(files, targets=self.targets if labelled else [t.unlabelled() for t in self.targets])
+        return type(self)(files, targets=[t.unlabelled() for t in self.targets], owner=owner)
 
     @contextmanager
     def set_split_idx(self, i:int # 0: training transforms (what `Learner.tta` asks for), 1: validation

@@ -26,7 +26,6 @@ def df():
     root = fmnist_path()
     files = sorted(get_image_files(root))
     assert {f.parent.name for f in files} == set(TAGS) == set(FASHION_MNIST_CLASSES)
-    files = files[::10]  # 400 items: enough to compare and to learn from
     return pd.DataFrame({'fname': [str(f.relative_to(root)) for f in files], 'label': [f.parent.name for f in files],
                          'tags': [TAGS[f.parent.name] for f in files],
                          'brightness': [float(np.asarray(Image.open(f)).mean()/255) for f in files],
@@ -43,7 +42,7 @@ def same_as_fastai(dblock, source, **kw):
         assert [str(f) for f in dl.items.files] == [str(get_x(o)) for o in raw]
         want = torch.stack([ds.tls[1][i] for i in range(len(ds))])
         assert torch.equal(dl.items.targets[0].values, want)
-    assert ours.vocab == theirs.vocab
+    assert ours.vocab == getattr(theirs, 'vocab', None)
     assert ours.c == theirs.c
     return ours
 
@@ -65,7 +64,7 @@ def test_single_label_regex_random_split(df):
                        get_y=lambda r: RegexLabeller(r'/([^/]+)/[^/]+$')(r['fname']),
                        splitter=RandomSplitter(0.25, seed=1), item_tfms=Resize(16))
     dls = same_as_fastai(dblock, df)
-    assert len(dls.valid_ds) == 100
+    assert len(dls.valid_ds) == 1000
 
 
 def test_multi_label(df):
@@ -108,16 +107,16 @@ def test_learners_learn_each_target(df, tmp_path):
     torch.manual_seed(0)
     common = dict(get_x=ColReader('fname', pref=f'{path}/'), splitter=ColSplitter('is_valid'), item_tfms=Resize(28))
     mdls = DaliDataLoaders.from_dblock(DataBlock(blocks=(ImageBlock, MultiCategoryBlock), get_y=ColReader('tags', label_delim=' '),
-                                                 **common), df, bs=32, device='cpu', seed=0)
+                                                 **common), df, bs=64, device='cpu', seed=0)
     learn = Learner(mdls, small_cnn(mdls.c), metrics=accuracy_multi, path=tmp_path)
     with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(3, 1e-2)
     y = mdls.valid.items.targets[0].values
-    trivial = max((y == 0).float().mean().item(), (y == 1).float().mean().item())
+    trivial = torch.maximum(y.mean(0), 1 - y.mean(0)).mean().item()  # each tag's commoner value, always
     acc = learn.recorder.values[-1][2]
-    assert acc > trivial + 0.05, f"multi-label accuracy {acc:.3f}, predicting the commonest value gives {trivial:.3f}"
+    assert acc > trivial + 0.05, f"multi-label accuracy {acc:.3f}, predicting each tag's commoner value gives {trivial:.3f}"
 
     rdls = DaliDataLoaders.from_dblock(DataBlock(blocks=(ImageBlock, RegressionBlock), get_y=ColReader('brightness'), **common),
-                                       df, bs=32, device='cpu', seed=0)
+                                       df, bs=64, device='cpu', seed=0)
     learn = Learner(rdls, small_cnn(1), loss_func=rdls.loss_func, path=tmp_path)
     with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(3, 1e-2)
     y = rdls.valid.items.targets[0].values
