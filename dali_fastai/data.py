@@ -113,12 +113,15 @@ def dblock_items(dblock:DataBlock, # a fastai `DataBlock`: one `ImageBlock` inpu
     if len(splits) < 2: raise ValueError(f"the DataBlock's splitter gave {len(splits)} split(s): DaliDataLoaders needs a training and a validation set")
     tfms = dblock._combine_type_tfms()
     get_x = Pipeline(list(tfms[0])[:len(tfms[0]) - len(L(dblock.type_tfms[0]))])
-    targets = [TfmdLists(items, t, splits=splits) for t in tfms[1:]]  # set up on the training split, as fastai does
+    tls = [TfmdLists(items, t, splits=splits) for t in tfms[1:]]  # set up on the training split, as fastai does
+    # a `Target` keeps the type transforms (they encode raw targets and decode batches), not the getters before them
+    types = [Pipeline(tl.tfms.fs[-len(L(tt)):]) for tl,tt in zip(tls, dblock.type_tfms[1:])]
     res = []
     for i,split in enumerate(splits[:2]):
         files = [_image_path(get_x(_row(items, j)), j) for j in split]
-        ts = [tl.subset(i) for tl in targets]
-        res.append(ImageItems(files, targets=[Target(torch.stack([t[j] for j in range(len(t))]) if len(t) else None, t.tfms) for t in ts]))
+        subs = [tl.subset(i) for tl in tls]
+        res.append(ImageItems(files, targets=[Target(torch.stack([s[j] for j in range(len(s))]) if len(s) else None, t)
+                                              for s,t in zip(subs, types)]))
     return tuple(res)
 
 def _row(items, i):
@@ -344,6 +347,14 @@ class DaliDataLoaders(DataLoaders):
             if t.vocab is not None: _unseen(labels, t.vocab, 'test_items')
             items = ImageItems(mem.files, targets=[t.encode_like(labels)], owner=mem)
         return self.valid.new(items=items, shuffle=False, drop_last=False, **kwargs)
+
+    def add_tfms(self, tfms:list, # fastai transforms
+                 event:str, # 'after_batch' (DALI does everything before it)
+                 loaders=None, # indices or names ('train', 'valid') of the loaders; default: all
+                ):
+        "fastai's `DataLoaders.add_tfms` through each loader's `add_tfms`, so a `Normalize` is compiled into DALI"
+        for i in (range(len(self.loaders)) if loaders is None else L(loaders)):
+            self[{'train': 0, 'valid': 1}.get(i, i)].add_tfms(tfms, event)
 
     def summary(self, show:bool=True, # print the report
                )->str: # the report

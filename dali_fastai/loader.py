@@ -334,6 +334,8 @@ def _recipes(size, mean, std, crop_pct, item_tfms, batch_tfms, aug)->tuple:
     return res if mean is None else tuple(r.with_normalize(mean, std) for r in res)
 
 # %% ../nbs/03_loader.ipynb #8d43dbd3
+_SMALL_OPS = {'ArithmeticGenericOp', 'Constant', 'Cast', 'Reshape', 'Stack', 'TensorSubscript', 'Sum', 'Uniform', 'CoinFlip',
+              'OneHot', 'Choice', 'PermuteBatch', 'Cat', 'Combine', 'Rotation', 'Normal', 'PeekImageShape', 'ExternalSource'}
 AUG_OPTIONS = {'area', 'ratio', 'n_warps'} | set(inspect.signature(augment).parameters) - {'images', 'size'}
 
 def _after_batch(recipe:ImageRecipe)->Pipeline:
@@ -415,12 +417,13 @@ class DaliDataLoader:
         "What becomes of each transform: compiled into the DALI graph, or run by fastai after it"
         return self.recipe.describe()
     def graph(self)->list:
-        "The DALI operators of this loader's pipeline, in graph order (built, not run)"
+        "The DALI operators of this loader's pipeline, in graph order (built, not run); the small ones that compute per-sample matrices, counted"
         pipe = self._pipeline(None, 0)
         pipe.build()
         names = [re.sub(r'^_+|_\d+$', '', op.name) for op in pipe._ops]  # DALI keeps its operators in `_ops`
         del pipe
-        return names
+        main = [n for n in names if n not in _SMALL_OPS]
+        return main + ([f'(and {len(names) - len(main)} small operators: arithmetic, constants, random draws)'] if len(main) < len(names) else [])
 
     def _pipeline(self, seed, order_seed, checkpoint=None):
         "A DALI pipeline reading this loader's items, labelled by their index, through its recipe"
