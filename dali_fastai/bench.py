@@ -11,6 +11,7 @@ __all__ = ['BENCH_PHOTOS', 'bench_images', 'loader_throughput', 'Throughput', 'S
 
 # %% ../nbs/05_bench.ipynb #77154514
 import gc, json, math, os, platform, statistics, time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 import numpy as np
@@ -32,6 +33,8 @@ from fastai.vision.core import imagenet_stats
 from fastai.vision.data import ImageDataLoaders
 from fastai.vision.learner import vision_learner
 import dali_fastai
+from .files import cache_dir
+from .datasets import write_once
 from .loader import as_device
 from .data import DaliDataLoaders
 
@@ -66,7 +69,7 @@ def _bench_image(args):
     im.save(dest, quality=quality)
 
 # %% ../nbs/05_bench.ipynb #13392625
-def bench_images(dest:str|Path|None=None, # folder to write; default: ~/.cache/dali_fastai/bench_<n_per_class>
+def bench_images(dest:str|Path|None=None, # folder to write; default: `cache_dir()/'bench_<n_per_class>'`
                  n_per_class:int=500, # images per class (a fifth of them go to valid/)
                  photos:tuple=BENCH_PHOTOS, # scikit-image sample photos, one class each
                  min_size:int=330, max_size:int=560, # range of each side, in pixels
@@ -74,26 +77,18 @@ def bench_images(dest:str|Path|None=None, # folder to write; default: ~/.cache/d
                  seed:int=0, # the set is the same for the same arguments
                  workers:int|None=None, # processes writing images; default: all cores
                 )->Path: # the folder, ImageNet-style: train/<class>/*.jpg, valid/<class>/*.jpg
-    "An ImageNet-like JPEG set made from real photographs (written once, then reused)"
-    if dest is None:
-        xdg = os.environ.get('XDG_CACHE_HOME', '')
-        dest = (Path(xdg) if os.path.isabs(xdg) else Path.home()/'.cache')/'dali_fastai'/f'bench_{n_per_class}'
-    dest = Path(dest)
-    recipe = json.dumps(dict(n_per_class=n_per_class, photos=list(photos), min_size=min_size, max_size=max_size,
-                             quality=quality, seed=seed))
-    marker = dest/'.complete'
-    if marker.exists() and marker.read_text() == recipe: return dest
-    jobs = []
-    for c,name in enumerate(photos):
-        for i in range(n_per_class):
-            split = 'valid' if i % 5 == 0 else 'train'
-            (dest/split/name).mkdir(parents=True, exist_ok=True)
-            jobs.append((name, dest/split/name/f'{i:05d}.jpg', [seed, c, i], min_size, max_size, quality))
-    print(f"writing {len(jobs)} benchmark JPEGs to {dest}", flush=True)
-    gc.collect()  # free unreachable DALI pipelines now: a forked worker that collects one crashes in DALI's shutdown
-    with ProcessPoolExecutor(workers or os.cpu_count()) as ex: list(ex.map(_bench_image, jobs, chunksize=16))
-    marker.write_text(recipe)
-    return dest
+    "An ImageNet-like JPEG set made from real photographs (written once with `write_once`, then reused)"
+    dest = cache_dir()/f'bench_{n_per_class}' if dest is None else Path(dest)
+    recipe = dict(n_per_class=n_per_class, photos=list(photos), min_size=min_size, max_size=max_size, quality=quality,
+                  seed=seed)
+    def write(tmp):
+        jobs = [(name, tmp/('valid' if i % 5 == 0 else 'train')/name/f'{i:05d}.jpg', [seed, c, i], min_size, max_size,
+                 quality) for c,name in enumerate(photos) for i in range(n_per_class)]
+        for d in sorted({j[1].parent for j in jobs}): d.mkdir(parents=True)
+        print(f"writing {len(jobs)} benchmark JPEGs to {dest}", flush=True)
+        gc.collect()  # free unreachable DALI pipelines now: a forked worker that collects one crashes in DALI's shutdown
+        with ProcessPoolExecutor(workers or os.cpu_count()) as ex: list(ex.map(_bench_image, jobs, chunksize=16))
+    return write_once(dest, write, recipe, who='bench_images')
 
 # %% ../nbs/05_bench.ipynb #ce1485ac
 def _sync(device:torch.device):
@@ -113,31 +108,33 @@ def loader_throughput(dl, # anything that yields batches, epoch after epoch
                       n_batches:int=30, # batches timed in each pass
                       warmup:int=5, # batches before the timer starts
                       passes:int=3, # the median of this many passes is kept
+                      clock:Callable=time.perf_counter, # seconds, as a float
                      )->float: # images per second
     "Median images per second that `dl` delivers, warm-up excluded"
     it,rates = _endless(dl),[]
     for _ in range(passes):
         for _ in range(warmup): next(it)
-        _sync(device); start,n = time.perf_counter(),0
+        _sync(device); start,n = clock(),0
         for _ in range(n_batches): n += _batch_len(next(it))
         _sync(device)
-        rates.append(n / (time.perf_counter() - start))
+        rates.append(n / (clock() - start))
     return statistics.median(rates)
 
 # %% ../nbs/05_bench.ipynb #d4c79b28
 class Throughput(Callback):
     "Time `n_batches` training batches after `warmup`, then cancel the fit"
     order = 100
-    def __init__(self, n_batches:int=30, warmup:int=10): self.n_batches,self.warmup = n_batches,warmup
+    def __init__(self, n_batches:int=30, warmup:int=10, clock:Callable=time.perf_counter):
+        self.n_batches,self.warmup,self.clock = n_batches,warmup,clock
     def before_fit(self): self.seen,self.images,self.start,self.rate = 0,0,None,None
     def before_batch(self):
-        if self.seen == self.warmup: _sync(self.dls.device); self.start = time.perf_counter()
+        if self.seen == self.warmup: _sync(self.dls.device); self.start = self.clock()
     def after_batch(self):
         self.seen += 1
         if self.start is not None: self.images += len(self.learn.xb[0])
         if self.seen == self.warmup + self.n_batches:
             _sync(self.dls.device)
-            self.rate = self.images / (time.perf_counter() - self.start)
+            self.rate = self.images / (self.clock() - self.start)
             raise CancelFitException()
     def before_validate(self): raise CancelValidException()
 
@@ -159,6 +156,7 @@ def training_throughput(dls, # DataLoaders to train from
                         n_batches:int=30, warmup:int=10, passes:int=3, # as in `loader_throughput`
                         amp:str|None='bf16', # mixed precision: 'bf16', 'fp16' or None
                         channels_last:bool=True, # train with channels_last tensors
+                        clock:Callable=time.perf_counter, # seconds, as a float
                        )->float: # images per second
     "Median images per second through `Learner.fit` for `arch` fed by `dls`"
     model = getattr(torchvision.models, arch)(num_classes=c)
@@ -166,7 +164,7 @@ def training_throughput(dls, # DataLoaders to train from
     if channels_last or amp: learn.to_channelslast(use_amp=amp is not None, amp_mode=AMPMode(amp or 'fp16'))
     rates = []
     for _ in range(passes):
-        cb = Throughput(n_batches, warmup)
+        cb = Throughput(n_batches, warmup, clock)
         with learn.no_bar(), learn.no_logging(): learn.fit(math.ceil((n_batches + warmup)/len(dls.train)) + 1, cbs=cb)
         rates.append(cb.rate)
     return statistics.median(rates)

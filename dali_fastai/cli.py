@@ -8,8 +8,9 @@ Docs: https://dali-fastai.github.io/dali_fastai/cli.html.md"""
 __all__ = ['dataloaders_for', 'arch_by_name', 'train', 'parser', 'main']
 
 # %% ../nbs/06_cli.ipynb #09c440a1
-import argparse, sys, time
+import argparse, http.client, sys, time
 from pathlib import Path
+import torch
 import torchvision.models
 from fastai.learner import Learner
 from fastai.metrics import accuracy
@@ -22,17 +23,19 @@ from .bench import bench, bench_images
 
 # %% ../nbs/06_cli.ipynb #abb54b89
 def dataloaders_for(path:str|Path|None=None, # ImageNet-style folder; None: the embedded Fashion-MNIST sample
-                    valid_pct:float=0.2, # used only when `path` has no `valid/` folder
+                    valid_pct:float|None=None, # hold out this share of the images at random instead of using `valid/`
                     **kwargs, # `DaliDataLoaders.from_folder` options: bs, size, device, seed, ...
                    )->DaliDataLoaders:
-    "`DaliDataLoaders` for a folder with `train/` and `valid/`, or with only `train/` (split at random)"
+    "`DaliDataLoaders` for a folder with `train/` and `valid/`; with `valid_pct`, a random split of its images"
     path = fashion_mnist() if path is None else Path(path)
     if not path.is_dir(): raise FileNotFoundError(f"dataset folder {str(path)!r} does not exist")
-    if not (path/'train').is_dir():
-        raise FileNotFoundError(f"{str(path)!r} has no 'train' folder: expected {path}/train/<class>/<image> "
-                                "(and optionally valid/<class>/<image>)")
-    if (path/'valid').is_dir(): return DaliDataLoaders.from_folder(path, **kwargs)
-    return DaliDataLoaders.from_folder(path, valid_pct=valid_pct, **kwargs)
+    if valid_pct is not None: return DaliDataLoaders.from_folder(path, valid_pct=valid_pct, **kwargs)
+    for sub in ('train', 'valid'):
+        if not (path/sub).is_dir():
+            raise FileNotFoundError(f"{str(path)!r} has no {sub!r} folder: expected {path}/train/<class>/<image> and "
+                                    f"{path}/valid/<class>/<image>; without valid/, pass valid_pct (--valid-pct 0.2 "
+                                    "holds out a random 20% of the images)")
+    return DaliDataLoaders.from_folder(path, **kwargs)
 
 # %% ../nbs/06_cli.ipynb #d3551c74
 def arch_by_name(name:str): # a torchvision model function, e.g. 'resnet18'
@@ -41,6 +44,18 @@ def arch_by_name(name:str): # a torchvision model function, e.g. 'resnet18'
     if not callable(fn) or name.startswith('_'):
         raise ValueError(f"unknown architecture {name!r}: use a torchvision model name such as resnet18, resnet34 or resnet50")
     return fn
+
+def _no_weights(arch:str, # torchvision model name
+                e:Exception, # why the download failed
+               )->str: # one line: what failed, why, and where to put the file by hand
+    "The error for pretrained weights that could not be downloaded"
+    folder = Path(torch.hub.get_dir())/'checkpoints'
+    try: url = torchvision.models.get_model_weights(arch).DEFAULT.url
+    except (ValueError, KeyError, AttributeError): url = None
+    what = f"{url} (on a machine with network access) and put it" if url else "them and put the file"
+    reason = ' '.join(f'{type(e).__name__}: {e}'.split())
+    return (f"the pretrained {arch} weights could not be downloaded ({reason}): download {what} in {folder} "
+            f"(torch's hub cache, torch.hub.get_dir()), or train without --pretrained")
 
 def train(path:str|Path|None=None, # ImageNet-style folder; None: the embedded Fashion-MNIST sample
           arch:str='resnet18', # torchvision model name
@@ -51,12 +66,16 @@ def train(path:str|Path|None=None, # ImageNet-style folder; None: the embedded F
           device:str|None=None, # 'cpu' or 'gpu'; default: the GPU if visible
           pretrained:bool=False, # start from ImageNet weights (downloads them once)
           seed:int|None=None, # seed for the split, order and augmentation
+          valid_pct:float|None=None, # hold out this share of the images at random (needed when `path` has no `valid/`)
           export:str|None=None, # save the trained Learner here with `Learner.export`
           progress:bool|None=None, # fastai's progress bars; default: when printing to a terminal (else one line an epoch)
          )->Learner:
     "Train `arch` on `path` with DALI loaders and print a final metrics line"
-    dls = dataloaders_for(path, bs=bs, size=size, device=device, seed=seed)
-    learn = vision_learner(dls, arch_by_name(arch), metrics=accuracy, pretrained=pretrained)
+    dls = dataloaders_for(path, valid_pct, bs=bs, size=size, device=device, seed=seed)
+    try: learn = vision_learner(dls, arch_by_name(arch), metrics=accuracy, pretrained=pretrained)
+    except (OSError, http.client.HTTPException) as e:  # URLError, refused, timed out, cut off
+        if not pretrained: raise
+        raise ConnectionError(_no_weights(arch, e)) from e
     if not (sys.stdout.isatty() if progress is None else progress):
         learn.remove_cb(ProgressCallback)
         learn.logger = lambda log: print(' | '.join(f'{n} {v:.4f}' if isinstance(v, float) else f'{n} {v}'
@@ -76,16 +95,19 @@ def parser()->argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog='dali-fastai', description="fastai training fed by NVIDIA DALI pipelines")
     sub = p.add_subparsers(dest='command', required=True)
     t = sub.add_parser('train', help="train an image classifier", description=train.__doc__)
-    t.add_argument('path', nargs='?', default=None, help="ImageNet-style folder (train/<class>/*, valid/<class>/*); "
-                   "default: the embedded Fashion-MNIST sample")
+    t.add_argument('path', nargs='?', default=None, help="ImageNet-style folder: train/<class>/* and valid/<class>/*; "
+                   "valid/ is optional, but without it pass --valid-pct; default: the embedded Fashion-MNIST sample")
     t.add_argument('--arch', default='resnet18', help="torchvision model name (default: resnet18)")
     t.add_argument('--epochs', type=int, default=2, help="epochs of fit_one_cycle (default: 2)")
     t.add_argument('--size', type=int, default=64, help="image side in pixels (default: 64)")
     t.add_argument('--bs', type=int, default=64, help="batch size (default: 64)")
     t.add_argument('--lr', type=float, default=3e-3, help="peak learning rate (default: 3e-3)")
     t.add_argument('--device', choices=['cpu', 'gpu'], default=None, help="default: the GPU if one is visible")
-    t.add_argument('--pretrained', action='store_true', help="start from ImageNet weights (downloads them)")
+    t.add_argument('--pretrained', action='store_true', help="start from ImageNet weights (downloaded once into "
+                   "torch's hub cache, torch.hub.get_dir())")
     t.add_argument('--seed', type=int, default=None, help="seed for split, order and augmentation")
+    t.add_argument('--valid-pct', type=float, default=None, help="hold out this share of the images at random for "
+                   "validation (e.g. 0.2) instead of valid/; needed when PATH has no valid/ folder")
     t.add_argument('--export', default=None, help="save the trained Learner (Learner.export) to this file")
     b = sub.add_parser('bench', help="measure loader and training throughput side by side", description=bench.__doc__)
     b.add_argument('path', nargs='?', default=None, help="ImageNet-style folder; default: a set made from scikit-image's "
@@ -113,4 +135,4 @@ def main(argv:list|None=None): # arguments; default: `sys.argv[1:]`
             n = args.pop('n_per_class')
             if args['path'] is None: args['path'] = bench_images(n_per_class=n)
             bench(**{**args, 'archs': tuple(a for a in args['archs'].split(',') if a)})
-    except (FileNotFoundError, ValueError) as e: sys.exit(f"dali-fastai {command}: error: {e}")
+    except (FileNotFoundError, ValueError, ConnectionError) as e: sys.exit(f"dali-fastai {command}: error: {e}")

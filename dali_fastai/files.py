@@ -6,13 +6,14 @@ Docs: https://dali-fastai.github.io/dali_fastai/files.html.md"""
 
 # %% auto #0
 __all__ = ['SIGNATURES', 'UNSUPPORTED', 'DECODABLE', 'image_format', 'check_image', 'decode_image', 'cache_dir', 'check_images',
-           'remember_bad', 'describe_bad', 'bad_files_message']
+           'describe_bad', 'bad_files_message']
 
 # %% ../nbs/02a_files.ipynb #37e69e0b
 import hashlib, json, os, tempfile, warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from PIL import Image
+from fastcore.xdg import xdg_cache_home
 
 # %% ../nbs/02a_files.ipynb #998144f4
 SIGNATURES = {b'\xff\xd8\xff': 'JPEG', b'\x89PNG\r\n\x1a\n': 'PNG', b'II*\x00': 'TIFF', b'MM\x00*': 'TIFF',
@@ -69,11 +70,12 @@ def decode_image(f)->str|None:
         with Image.open(f) as im: im.load()
     except Exception as e: return f"PIL cannot decode it ({type(e).__name__}: {e})"
 
-# %% ../nbs/02a_files.ipynb #f4b0b046
-def cache_dir()->Path:
-    "Where dali_fastai keeps its caches: `$XDG_CACHE_HOME/dali_fastai`, by default `~/.cache/dali_fastai`"
-    return Path(os.environ.get('XDG_CACHE_HOME') or Path.home()/'.cache')/'dali_fastai'
+# %% ../nbs/02a_files.ipynb #5b37f72d
+def cache_dir()->Path: # `$XDG_CACHE_HOME/dali_fastai` if that is an absolute path, else `~/.cache/dali_fastai`
+    "The folder where dali_fastai keeps its caches and the datasets it writes"
+    return xdg_cache_home()/'dali_fastai'
 
+# %% ../nbs/02a_files.ipynb #f4b0b046
 def _cache_file(folder, d):
     return Path(folder)/'file_checks'/f"{hashlib.sha1(str(d).encode()).hexdigest()[:16]}.json"
 
@@ -144,14 +146,6 @@ def check_images(files:list, # image paths
     fresh = [(f, key, reason) for f,key,reason,new in results if new and key is not None]
     if folder is not None and fresh: _store(folder, fresh)
     return [(f, reason) for f,_,reason,_ in results if reason is not None]
-
-def remember_bad(bad:list, # `(file, reason)` pairs found bad some other way (e.g. DALI failed to decode them)
-                 cache:bool|str|Path=True, # the cache `check_images` reads
-                ):
-    "Record `bad` files in the cache, so the next `check_images` reports them (until they change)"
-    if cache is False: return
-    folder = cache_dir() if cache is True else Path(cache)
-    _store(folder, [(str(f), key, reason) for f,reason in bad if (key := _stat_key(f)) is not None])
 
 # %% ../nbs/02a_files.ipynb #23f7f961
 def describe_bad(bad:list, # `(file, reason)` pairs from `check_images`

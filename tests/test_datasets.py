@@ -1,12 +1,13 @@
-"Edge cases of `dali_fastai.datasets`: idempotence, interrupted and killed writes, races, package data"
+"Edge cases of `dali_fastai.datasets`: idempotence, interrupted and killed writes, races, output, the table, package data"
 import hashlib, json, os, subprocess, sys
 from importlib.resources import files
 from pathlib import Path
 import numpy as np
+import pandas as pd
 import pytest
 from PIL import Image
 from dali_fastai import datasets
-from dali_fastai.datasets import FASHION_MNIST_CLASSES, fashion_mnist, fashion_mnist_arrays
+from dali_fastai.datasets import FASHION_MNIST_CLASSES, fashion_mnist, fashion_mnist_arrays, fashion_mnist_df
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -20,6 +21,7 @@ def assert_complete(dest:Path):
         counts = {c: len(list((dest/split/c).glob('*.jpg'))) for c in FASHION_MNIST_CLASSES}
         assert counts == {c: n for c in FASHION_MNIST_CLASSES}, f"{split}: {counts}"
     assert json.loads((dest/'.complete').read_text())['sha256'] == datasets._npz_digest()
+    assert len(pd.read_csv(dest/'labels.csv')) == 4000
     assert [p.name for p in dest.parent.iterdir() if '.tmp-' in p.name] == [], "temporary folder left behind"
 
 @pytest.fixture(scope='module')
@@ -78,9 +80,12 @@ def test_interrupted_write_is_redone(tmp_path, monkeypatch, exc):
 
 def test_failure_while_writing_marker_leaves_no_dest(tmp_path, monkeypatch):
     dest = tmp_path/'fmnist'
-    monkeypatch.setattr(datasets, '_npz_digest', lambda: (_ for _ in ()).throw(OSError('read error')))
-    with pytest.raises(OSError): fashion_mnist(dest, progress=False)
-    assert not dest.exists()
+    def fail(root, stamp):
+        assert len(list(root.rglob('*.jpg'))) == 4000 and (root/'labels.csv').exists()  # the marker comes last
+        raise OSError('disk full')
+    monkeypatch.setattr(datasets, '_write_marker', fail)
+    with pytest.raises(OSError, match='disk full'): fashion_mnist(dest, progress=False)
+    assert list(tmp_path.iterdir()) == []
 
 def test_killed_writer_is_cleaned_up_and_redone(tmp_path):
     "A writer killed outright (no exception handler runs) leaves its temporary folder; the next call removes it"
@@ -112,6 +117,15 @@ def test_marker_from_another_release_is_rewritten(tmp_path):
     assert len(list(dest.rglob('*.jpg'))) == 4000
     assert not any(p.read_bytes() == b'stale' for p in dest.rglob('*.jpg'))
 
+def test_folder_of_the_previous_layout_gains_the_table(tmp_path):
+    "A folder written before `labels.csv` existed (same images, marker without 'csv') is written again, with the table"
+    dest = fashion_mnist(tmp_path/'fmnist', progress=False)
+    (dest/'labels.csv').unlink()
+    (dest/'.complete').write_text(json.dumps({'sha256': datasets._npz_digest(), 'train': 3000, 'valid': 1000}))
+    fashion_mnist(dest, progress=False)
+    assert_complete(dest)
+
+
 def test_force_rewrites(tmp_path):
     dest = fashion_mnist(tmp_path/'fmnist', progress=False)
     (dest/'train'/'Bag'/'extra.jpg').write_bytes(b'not ours')
@@ -126,7 +140,7 @@ def test_lost_race_keeps_the_winners_folder(tmp_path):
     tmp = tmp_path/(datasets._tmp_prefix(dest) + f'{os.getpid()}-race')
     tmp.mkdir()
     datasets._write_tree(tmp, progress=False)
-    datasets._swap_in(tmp, dest, force=False)
+    datasets._swap_in(tmp, dest, datasets._stamp(), force=False)
     assert not tmp.exists() and mtimes(dest) == before
 
 def test_foreign_files_appearing_mid_write_are_kept(tmp_path):
@@ -135,7 +149,8 @@ def test_foreign_files_appearing_mid_write_are_kept(tmp_path):
     tmp.mkdir()
     datasets._write_tree(tmp, progress=False)
     dest.mkdir(); (dest/'notes.txt').write_text('keep me')
-    with pytest.raises(FileExistsError, match='filled with other files'): datasets._swap_in(tmp, dest, force=True)
+    with pytest.raises(FileExistsError, match='filled with other files while fashion_mnist wrote'):
+        datasets._swap_in(tmp, dest, datasets._stamp(), force=True, who='fashion_mnist')
     assert (dest/'notes.txt').read_text() == 'keep me'
 
 def test_dest_is_a_file(tmp_path):
@@ -179,3 +194,78 @@ def test_tool_rebuilds_the_same_bytes(tmp_path):
     shipped = files('dali_fastai')/'data'
     for name in ('fashion_mnist_small.npz', 'FASHION_MNIST_LICENSE', 'README.md'):
         assert (tmp_path/name).read_bytes() == (shipped/name).read_bytes(), name
+
+
+# ------------------------------------------------------------------------------------------------ output to a log or pipe
+
+def test_output_to_a_pipe_ends_its_lines(tmp_path):
+    "Written to a non-terminal (a log, a pipe, CI), the output is whole lines: nothing is glued to what comes next"
+    code = ("import sys\nfrom dali_fastai.datasets import fashion_mnist\n"
+            "fashion_mnist(sys.argv[1])\nprint('next line')\n")
+    env = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(REPO), os.environ.get('PYTHONPATH', '')])}
+    r = subprocess.run([sys.executable, '-c', code, str(tmp_path/'d')], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == (f"Writing 4,000 Fashion-MNIST JPEGs into {tmp_path/'d'} (once; later calls reuse them)\n"
+                        "next line\n"), repr(r.stdout[:300])
+
+
+def test_progress_on_a_terminal_ends_its_line(capsys, monkeypatch):
+    monkeypatch.setattr(sys.stdout, 'isatty', lambda: True)
+    assert list(datasets._progress(range(5))) == list(range(5))
+    print('next line')
+    out = capsys.readouterr().out
+    assert '[5/5 ' in out and out.endswith(']\nnext line\n'), repr(out[-80:])
+
+
+def test_progress_interrupted_on_a_terminal_still_ends_its_line(capsys, monkeypatch):
+    monkeypatch.setattr(sys.stdout, 'isatty', lambda: True)
+    with pytest.raises(KeyboardInterrupt):
+        for i in datasets._progress(range(5)):
+            if i == 2: raise KeyboardInterrupt
+    print('next line')
+    assert capsys.readouterr().out.endswith('\nnext line\n')
+
+
+# --------------------------------------------------------------------------------------------------- the table (csv)
+
+def test_table_columns_and_files(written):
+    df = pd.read_csv(written/'labels.csv')
+    assert list(df.columns) == ['fname', 'label', 'tags', 'brightness', 'is_valid']
+    pd.testing.assert_frame_equal(df, fashion_mnist_df())
+    assert df.is_valid.dtype == bool and df.brightness.dtype == float
+    assert [p for p in df.fname if not (written/p).is_file()] == []
+    assert sorted(df.fname) == sorted(str(p.relative_to(written)) for p in written.rglob('*.jpg'))
+    assert (df.fname.str.split('/').str[1] == df.label).all()  # the class folder
+    assert (df.fname.str.startswith('valid/') == df.is_valid).all()
+
+
+def test_tags_are_multi_label():
+    df = fashion_mnist_df()
+    tags = df.tags.str.split()
+    assert set(tags.map(len)) == {1, 2, 3}
+    vocab = sorted({t for ts in tags for t in ts})
+    assert vocab == ['accessory', 'bottom', 'footwear', 'open', 'sleeves', 'top', 'warm']
+    onehot = np.array([[t in ts for t in vocab] for ts in tags])
+    assert (onehot.sum(1) > 1).mean() > 0.4  # many items have several tags
+    assert len({tuple(r) for r in onehot}) == 10  # tag sets tell the classes apart ...
+    assert sum(len(set(df.label[onehot[:, j]])) > 1 for j in range(len(vocab))) >= 5  # ... and most tags span classes
+
+
+def test_tags_read_by_fastai_as_multi_category(written):
+    "fastai's own reader takes the table as is: `label_delim=' '` gives one-hot multi-label targets"
+    from fastai.vision.data import ImageDataLoaders
+    df = pd.read_csv(written/'labels.csv')
+    dls = ImageDataLoaders.from_df(df, written, fn_col='fname', label_col='tags', label_delim=' ', valid_col='is_valid',
+                                   bs=8, num_workers=0, device='cpu')
+    assert list(dls.vocab) == ['accessory', 'bottom', 'footwear', 'open', 'sleeves', 'top', 'warm']
+    assert (len(dls.train_ds), len(dls.valid_ds)) == (3000, 1000)
+    y = dls.train_ds[0][1]  # fastai's MultiCategory encoding of the first row
+    assert y.tolist() == [float(t in df.tags[0].split()) for t in dls.vocab]
+
+
+def test_brightness_is_the_files_mean_pixel(written):
+    df = pd.read_csv(written/'labels.csv').iloc[::40]  # 100 images across classes and splits
+    from_files = np.array([np.asarray(Image.open(written/f), np.float32).mean()/255 for f in df.fname])
+    assert np.abs(from_files - df.brightness.values).max() < 0.01  # JPEG error only
+    assert np.corrcoef(from_files, df.brightness.values)[0, 1] > 0.99
+    assert df.brightness.std() > 0.05  # a target that varies

@@ -1,0 +1,99 @@
+"The `dali-fastai` command: a folder without valid/, --valid-pct, and --pretrained with no network (one line, no traceback)"
+import sys
+from pathlib import Path
+from urllib.error import URLError
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from dali_fastai import cli
+
+
+def image_folder(root:Path, splits=('train', 'valid'), n:int=4)->Path:
+    "`root/<split>/<class>/<i>.png`: 2 classes, `n` small PNGs each"
+    for split in splits:
+        for c,colour in (('dark', 40), ('light', 200)):
+            (root/split/c).mkdir(parents=True)
+            for i in range(n): Image.fromarray(np.full((8, 8, 3), colour + i, np.uint8)).save(root/split/c/f'{i}.png')
+    return root
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    "File-check verdicts and torch's hub cache in the test's folder, not the user's"
+    monkeypatch.setenv('XDG_CACHE_HOME', str(tmp_path/'xdg'))
+    monkeypatch.setenv('TORCH_HOME', str(tmp_path/'torch'))
+
+
+@pytest.fixture
+def offline(monkeypatch):
+    "torch.hub cannot reach the network (as on a machine without one); the package itself patches nothing"
+    def unreachable(*args, **kwargs): raise URLError(OSError(101, 'Network is unreachable'))
+    monkeypatch.setattr(torch.hub, 'urlopen', unreachable)
+
+
+def test_pretrained_without_network_is_one_line_error(tmp_path, offline, capsys):
+    data = image_folder(tmp_path/'data')
+    with pytest.raises(SystemExit) as e:
+        cli.main(['train', str(data), '--pretrained', '--device', 'cpu', '--epochs', '1', '--bs', '2', '--size', '16'])
+    msg = e.value.code
+    assert isinstance(msg, str), "sys.exit(message): exit status 1, the message on stderr"
+    assert msg.startswith("dali-fastai train: error: the pretrained resnet18 weights could not be downloaded "
+                          "(URLError: <urlopen error [Errno 101] Network is unreachable>)"), msg
+    hub = tmp_path/'torch'/'hub'/'checkpoints'
+    assert f"https://download.pytorch.org/models/resnet18-" in msg and f" in {hub} " in msg, msg
+    assert '\n' not in msg and 'Traceback' not in capsys.readouterr().err
+
+
+def test_pretrained_error_names_the_arch_file(tmp_path, offline):
+    data = image_folder(tmp_path/'data')
+    with pytest.raises(ConnectionError, match=r'resnet34 weights .* https://download\.pytorch\.org/models/resnet34-') as e:
+        cli.train(data, arch='resnet34', pretrained=True, device='cpu', epochs=1, bs=2, size=16)
+    assert isinstance(e.value.__cause__, URLError)  # the original error is kept for a debugger
+
+
+def test_other_errors_are_not_called_network_errors(tmp_path, monkeypatch):
+    "Without --pretrained nothing is downloaded, and an OSError of the model is not reworded as a download failure"
+    data = image_folder(tmp_path/'data')
+    def broken(*args, **kwargs): raise OSError('disk on fire')
+    monkeypatch.setattr(cli, 'vision_learner', broken)
+    with pytest.raises(OSError, match='disk on fire') as e: cli.train(data, device='cpu', epochs=1, bs=2, size=16)
+    assert not isinstance(e.value, ConnectionError)
+
+
+def test_folder_without_valid_needs_valid_pct(tmp_path):
+    data = image_folder(tmp_path/'data', splits=('train',))
+    with pytest.raises(SystemExit) as e: cli.main(['train', str(data), '--device', 'cpu'])
+    assert "has no 'valid' folder" in e.value.code and '--valid-pct' in e.value.code
+
+
+def test_valid_pct_is_passed_through(tmp_path, monkeypatch):
+    seen = {}
+    monkeypatch.setattr(cli, 'train', lambda **kwargs: seen.update(kwargs))
+    cli.main(['train', str(tmp_path), '--valid-pct', '0.3'])
+    assert seen['valid_pct'] == 0.3
+    cli.main(['train', str(tmp_path)])
+    assert seen['valid_pct'] is None  # no silent default: a folder with valid/ uses it
+
+
+def test_valid_pct_splits_at_random(tmp_path):
+    data = image_folder(tmp_path/'data', splits=('train',), n=10)
+    dls = cli.dataloaders_for(data, valid_pct=0.25, bs=2, size=8, device='cpu', seed=0)
+    assert (len(dls.train_ds), len(dls.valid_ds)) == (15, 5)
+    assert set(dls.vocab) == {'dark', 'light'}
+
+
+def test_valid_pct_overrides_valid_folder(tmp_path):
+    data = image_folder(tmp_path/'data', n=10)
+    dls = cli.dataloaders_for(data, valid_pct=0.5, bs=2, size=8, device='cpu', seed=0)
+    assert (len(dls.train_ds), len(dls.valid_ds)) == (10, 10)  # train/ split in two; valid/ unused
+    assert all('/train/' in str(f) for f in dls.valid.items.files)
+
+
+def test_help_says_valid_is_optional(capsys):
+    with pytest.raises(SystemExit): cli.main(['train', '--help'])
+    out = ' '.join(capsys.readouterr().out.split())
+    assert 'valid/ is optional, but without it pass --valid-pct' in out
+    assert '--valid-pct VALID_PCT hold out this share of the images at random' in out
