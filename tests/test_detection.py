@@ -1,0 +1,91 @@
+"`dali_fastai.detection` on CPU: fastai's padded batches to torchvision targets, a training step, predictions, mAP"
+import math
+from types import SimpleNamespace
+import pytest
+import torch
+from fastai.vision.all import TensorBBox, TensorMultiCategory, bb_pad, TensorImage
+from dali_fastai.detection import (fastai_to_targets, small_detector, DetectionAdapter, DetectionTargets, DetectionMAP,
+                                   detection_loss)
+
+H,W = 48, 64
+
+def px_to_fastai(b, h=H, w=W):
+    "ltrb pixels -> fastai's [-1, 1] (PointScaler: x*2/size - 1)"
+    return torch.tensor(b, dtype=torch.float32).reshape(-1, 4) * 2 / torch.tensor([w, h, w, h]) - 1
+
+@pytest.fixture
+def batch():
+    "Three images made as fastai's bb_pad makes them: 2 boxes, 1 box, none"
+    boxes = [[[0, 0, 32, 24], [40, 10, 64, 48]], [[8, 4, 20, 40]], []]
+    labels = [[2, 1], [3], []]
+    samples = [(TensorImage(torch.zeros(3, H, W)), TensorBBox(px_to_fastai(b).reshape(-1, 4)), TensorMultiCategory(torch.tensor(l, dtype=torch.long)))
+               for b,l in zip(boxes, labels)]
+    padded = bb_pad(samples)
+    torch.manual_seed(0)
+    x = torch.randn(3, 3, H, W)
+    return x, TensorBBox(torch.stack([p[1] for p in padded])), TensorMultiCategory(torch.stack([p[2] for p in padded])), boxes, labels
+
+def test_targets_exact(batch):
+    x,bx,lb,boxes,labels = batch
+    assert bx.shape == (3, 2, 4) and lb[1].tolist() == [3, 0] and lb[2].tolist() == [0, 0]  # bb_pad's padding
+    ts = fastai_to_targets(bx, lb, (H, W))
+    for t,b,l in zip(ts, boxes, labels):
+        assert t['boxes'].shape == (len(b), 4) and t['boxes'].dtype == torch.float32 and type(t['boxes']) is torch.Tensor
+        assert torch.allclose(t['boxes'], torch.tensor(b, dtype=torch.float32).reshape(-1, 4), atol=1e-5)
+        assert t['labels'].tolist() == l and t['labels'].dtype == torch.int64
+
+def test_targets_refuse_other_shapes(batch):
+    _,bx,lb,_,_ = batch
+    with pytest.raises(ValueError, match='expected boxes'): fastai_to_targets(bx, lb[:, :1], (H, W))
+    with pytest.raises(ValueError, match='expected boxes'): fastai_to_targets(bx[..., :2], lb, (H, W))
+
+def test_callback_passes_targets():
+    learn = SimpleNamespace(xb=('x',), yb=('boxes', 'labels'))
+    cb = DetectionTargets(); cb.learn = learn
+    cb.before_batch()
+    assert learn.xb == ('x', 'boxes', 'labels') and learn.yb == ('boxes', 'labels')
+
+@pytest.mark.parametrize('arch', ['fcos', 'retinanet'])
+def test_train_step_and_predictions(batch, arch):
+    x,bx,lb,_,_ = batch
+    torch.manual_seed(0)
+    model = DetectionAdapter(small_detector(4, (H, W), arch=arch, fpn_channels=64))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    loss = detection_loss(model(x, bx, lb), bx, lb)
+    assert loss.ndim == 0 and torch.isfinite(loss)
+    loss.backward(); opt.step()
+    model.eval()
+    with torch.no_grad(): out = model(x, bx, lb)
+    assert len(out['detections']) == 3 and all(set(d) == {'boxes', 'scores', 'labels'} for d in out['detections'])
+    assert torch.isfinite(detection_loss(out))
+    model.valid_loss = False
+    with torch.no_grad(): out = model(x, bx, lb)
+    assert out['losses'] == {} and math.isnan(detection_loss(out).item())
+    assert not any(m.training for m in model.modules())
+
+def fake_learn(x, bx, lb, dets): return SimpleNamespace(xb=(x, bx, lb), yb=(bx, lb), pred={'losses': {}, 'detections': dets})
+
+def test_map_perfect_and_shifted(batch):
+    x,bx,lb,_,_ = batch
+    ts = fastai_to_targets(bx, lb, (H, W))
+    perfect = [{'boxes': t['boxes'], 'scores': torch.ones(len(t['labels'])), 'labels': t['labels']} for t in ts]
+    shifted = [{**d, 'boxes': d['boxes'] + torch.tensor([6., 0., 6., 0.])} for d in perfect]
+    wrong = [{**d, 'labels': d['labels'] % 3 + 1} for d in perfect]
+    res = {}
+    for key in ('map', 'map_50'):
+        m = DetectionMAP(key)
+        for name,dets in (('perfect', perfect), ('shifted', shifted), ('wrong', wrong)):
+            m.reset(); m.accumulate(fake_learn(x, bx, lb, dets)); res[key, name] = m.value
+    assert res['map', 'perfect'] == res['map_50', 'perfect'] == 1.0
+    assert res['map', 'shifted'] < res['map_50', 'shifted'] <= 1.0 and res['map', 'shifted'] < 0.8
+    assert res['map', 'wrong'] == 0.0
+
+def test_map_accumulates_batches(batch):
+    "Two batches, one predicted perfectly and one not at all: half the objects found"
+    x,bx,lb,_,_ = batch
+    ts = fastai_to_targets(bx, lb, (H, W))
+    perfect = [{'boxes': t['boxes'], 'scores': torch.ones(len(t['labels'])), 'labels': t['labels']} for t in ts]
+    empty = [{'boxes': torch.zeros(0, 4), 'scores': torch.zeros(0), 'labels': torch.zeros(0, dtype=torch.long)} for _ in ts]
+    m = DetectionMAP('mar_100')
+    m.accumulate(fake_learn(x, bx, lb, perfect)); m.accumulate(fake_learn(x, bx, lb, empty))
+    assert m.value == pytest.approx(0.5) and m.name == 'mar_100'
