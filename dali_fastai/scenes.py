@@ -8,15 +8,14 @@ Docs: https://dali-fastai.github.io/dali_fastai/scenes.html.md"""
 __all__ = ['SCENE_PHOTOS', 'SCENE_CODES', 'compose_scene', 'voc_palette', 'fashion_scenes']
 
 # %% ../nbs/00b_scenes.ipynb #b1e95356
-import json, os, shutil, tempfile
-from collections.abc import Callable
+import json
 from functools import cache
 from pathlib import Path
 from xml.etree import ElementTree as ET
 import numpy as np
 from PIL import Image
-from fastcore.xdg import xdg_cache_home
-from .datasets import FASHION_MNIST_CLASSES, fashion_mnist_arrays, _npz_digest, _tmp_prefix, _remove_stale_tmps
+from .files import cache_dir
+from .datasets import FASHION_MNIST_CLASSES, fashion_mnist_arrays, write_once, _npz_digest
 
 # %% ../nbs/00b_scenes.ipynb #f381a4d6
 SCENE_PHOTOS = ('astronaut', 'chelsea', 'coffee', 'rocket', 'immunohistochemistry', 'hubble_deep_field',
@@ -126,54 +125,6 @@ def _voc_xml(name:str, boxes:np.ndarray, labels:np.ndarray, size:int)->bytes:
     ET.indent(root)
     return ET.tostring(root, encoding='utf-8')
 
-# %% ../nbs/00b_scenes.ipynb #16c8f035
-_MARKER = '.complete'
-
-def _is_complete(dest:Path, stamp:dict)->bool:
-    "Does `dest` hold a finished copy of what `stamp` describes?"
-    try: return json.loads((dest/_MARKER).read_text()) == stamp
-    except (OSError, ValueError): return False
-
-def _swap_in(tmp:Path, dest:Path, stamp:dict, force:bool, who:str):
-    "Rename `tmp` to `dest` atomically; replace a `dest` only if it has a marker (a writer's own folder)"
-    try: return os.rename(tmp, dest)  # POSIX: succeeds if `dest` is absent or an empty folder
-    except OSError:
-        if not dest.is_dir(): raise
-    if _is_complete(dest, stamp) and not force: return shutil.rmtree(tmp)  # another process finished first
-    if not (dest/_MARKER).exists():
-        raise FileExistsError(f"'{dest}' was filled with other files while {who} wrote: remove it, or pass another dest")
-    old = Path(f'{tmp}-old')
-    os.rename(dest, old)
-    try: os.rename(tmp, dest)
-    except BaseException: os.rename(old, dest); raise
-    shutil.rmtree(old, ignore_errors=True)
-
-def _write_once(dest:Path, # the folder to fill
-                write:Callable, # `write(tmp)` fills the new empty folder `tmp`, beside `dest`
-                stamp:dict, # what `write` writes, as JSON: `dest` is complete when its marker holds it
-                force:bool=False, # write again even if `dest` is complete
-                who:str='write_once', # the writer, named in errors
-               )->Path: # `dest`, absolute
-    "Fill `dest` with `write` once, atomically: later calls with the same `stamp` return at once"
-    dest,stamp = Path(dest).expanduser().absolute(),json.loads(json.dumps(stamp))
-    if dest.exists() and not dest.is_dir():
-        raise FileExistsError(f"'{dest}' is a file, not a folder: pass another dest, or remove the file")
-    if not force and _is_complete(dest, stamp): return dest
-    if dest.is_dir() and any(dest.iterdir()) and not (dest/_MARKER).exists():
-        raise FileExistsError(f"'{dest}' holds files that {who} did not write (no '{_MARKER}' marker): "
-                              f"pass a new or empty folder as dest, or remove this one")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_tmps(dest)
-    tmp = Path(tempfile.mkdtemp(prefix=f'{_tmp_prefix(dest)}{os.getpid()}-', dir=dest.parent))
-    try:
-        write(tmp)
-        (tmp/_MARKER).write_text(json.dumps(stamp))  # last: every file above exists
-        _swap_in(tmp, dest, stamp, force, who)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return dest
-
 # %% ../nbs/00b_scenes.ipynb #d65b2479
 _VERSION = 1  # bump when the scenes a recipe makes change
 
@@ -204,7 +155,7 @@ def fashion_scenes(dest:str|Path=None, # folder to write into; default: `~/.cach
                    progress:bool=True, # say what is written
                   )->Path: # `dest`: `JPEGImages/`, `annotations/{train,valid}.json`, `Annotations/`, `ImageSets/`, `SegmentationClass/`, `codes.txt`
     "Folder of the embedded detection/segmentation scenes, with COCO, Pascal VOC and mask annotations, written on first use"
-    dest = Path(dest).expanduser().absolute() if dest is not None else xdg_cache_home()/'dali_fastai'/'fashion_scenes'
+    dest = Path(dest).expanduser().absolute() if dest is not None else cache_dir()/'fashion_scenes'
     import skimage
     stamp = dict(version=_VERSION, fashion_mnist=_npz_digest(), skimage=skimage.__version__, n_train=n_train,
                  n_valid=n_valid, size=size, seed=seed)
@@ -214,4 +165,4 @@ def fashion_scenes(dest:str|Path=None, # folder to write into; default: `~/.cach
             (tmp/d).mkdir(parents=True)
         (tmp/'codes.txt').write_text(''.join(f'{c}\n' for c in SCENE_CODES))
         for split,n in (('train', n_train), ('valid', n_valid)): _write_split(tmp, split, n, size, seed)
-    return _write_once(dest, write, stamp, force, who='fashion_scenes')
+    return write_once(dest, write, stamp, force, who='fashion_scenes')
