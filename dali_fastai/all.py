@@ -15,11 +15,11 @@ from .loader import n_batches, DaliNormalize, Target, ImageItems, DaliDataLoader
 from .data import DaliDataLoaders
 from .callbacks import UnpackDaliBatch, ClampSchedPos, DaliResetCallback, restart_epoch
 from .distributed import DaliDistributed, DaliCheckpoint
-from .datasets import fashion_mnist, FASHION_MNIST_CLASSES
+from .datasets import fashion_mnist, fashion_mnist_df, FASHION_MNIST_CLASSES
 from .bench import bench, bench_images
 
 # %% ../nbs/07_all.ipynb #f745ce07
 __all__ = ['synthetic_warps', 'train_pipeline', 'valid_pipeline', 'IMAGENET_MEAN', 'IMAGENET_STD', 'check_images',
            'n_batches', 'DaliNormalize', 'Target', 'ImageItems', 'DaliDataLoader', 'DaliDataLoaders', 'UnpackDaliBatch',
            'ClampSchedPos', 'DaliResetCallback', 'restart_epoch', 'DaliDistributed', 'DaliCheckpoint', 'fashion_mnist',
-           'FASHION_MNIST_CLASSES', 'bench', 'bench_images']
+           'fashion_mnist_df', 'FASHION_MNIST_CLASSES', 'bench', 'bench_images']
