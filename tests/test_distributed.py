@@ -16,19 +16,12 @@ from fastai.distributed import DistributedDL
 from fastai.learner import Learner
 from fastai.losses import CrossEntropyLossFlat
 
-from helpers import make_index_images, index_items, index_loader, epoch_items, MAX_INDEX
+from helpers import flat, index_items, index_loader, epoch_items, MAX_INDEX
 import ddp_worker
 from dali_fastai.loader import DaliDataLoaders, DaliDataLoader, ImageItems, batches_per_rank
 from dali_fastai.distributed import DaliCheckpoint, DaliDistributed, DaliShard, STATE_KEY
 
 HERE = Path(__file__).parent
-
-
-@pytest.fixture(scope='module')
-def files(tmp_path_factory): return make_index_images(tmp_path_factory.mktemp('index'), 70)
-
-
-def flat(batches): return [i for b in batches for i in b]
 
 
 # ---------------------------------------------------------------- simulated ranks: shards, counts, exactly once

@@ -16,17 +16,10 @@ from fastai.learner import Learner
 from fastai.losses import CrossEntropyLossFlat
 
 from dali_fastai.loader import DaliDataLoader, DaliDataLoaders
-from helpers import (MAX_INDEX, make_index_images, index_items, index_loader, epoch_items, tiny_model, Items, RaiseAt,
+from helpers import (MAX_INDEX, flat, index_items, index_loader, epoch_items, tiny_model, Items, RaiseAt,
                      index_learner, N_TRAIN, N_VALID, BS)
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope='module')
-def files(tmp_path_factory): return make_index_images(tmp_path_factory.mktemp('index'), MAX_INDEX)
-
-
-def flat(batches): return [i for b in batches for i in b]
 
 
 def assert_whole(dl, n, epochs=1, where=''):
