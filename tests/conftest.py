@@ -24,3 +24,12 @@ def files(tmp_path_factory):
     "`MAX_INDEX` index images (`helpers.make_index_images`), shared by every test file that slices them"
     from helpers import make_index_images, MAX_INDEX  # here: helpers imports torch, which must follow the settings above
     return make_index_images(tmp_path_factory.mktemp('index'), MAX_INDEX)
+
+
+def pytest_sessionstart(session):
+    "A GPU run (`make gpu-test`) with no GPU visible stops here, loudly: its tests would otherwise fail one by one"
+    if os.environ.get('DALI_FASTAI_GPU_TESTS') != '1': return
+    import torch
+    if not torch.cuda.is_available():
+        raise pytest.UsageError("DALI_FASTAI_GPU_TESTS=1 (make gpu-test) but PyTorch sees no GPU: run it on the GPU "
+                                "machine, or check CUDA_VISIBLE_DEVICES and the driver")

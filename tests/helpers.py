@@ -28,11 +28,18 @@ IMAGENET_MEAN,IMAGENET_STD = (0.485, 0.456, 0.406),(0.229, 0.224, 0.225)
 GPU_RUN = os.environ.get('DALI_FASTAI_GPU_TESTS') == '1'
 
 
+def gpu_marks(what:str)->list:
+    "Marks of a test that needs a GPU: `gpu` (what `make gpu-test` selects); skipped without one, unless in a GPU run"
+    return [pytest.mark.gpu, pytest.mark.skipif(not GPU_RUN and not torch.cuda.is_available(),
+                                                reason=f'{what}: needs a GPU (`make gpu-test` runs it on the GPU machine)')]
+
+
 def needs_gpu(what:str):
-    "Mark a test that needs a GPU: `gpu` (what `make gpu-test` selects); skipped without one, unless in a GPU run"
-    skip = pytest.mark.skipif(not GPU_RUN and not torch.cuda.is_available(),
-                              reason=f'{what}: needs a GPU (`make gpu-test` runs it on the GPU machine)')
-    return lambda f: pytest.mark.gpu(skip(f))
+    "Decorator: `gpu_marks(what)` on a test function"
+    def mark(f):
+        for m in gpu_marks(what): f = m(f)
+        return f
+    return mark
 
 
 def flat(batches:list)->list: return [i for b in batches for i in b]

@@ -6,6 +6,8 @@ one subset). The images are `helpers.make_coordinate_image`s: their red and gree
 affine map each sample was read through (crop, resize, flips, warps, rotation) is fitted back from its output
 (`helpers.source_maps`). `test_augment_stats.py` checks the graph pieces (`affine_steps`) one by one; this file checks
 what a user of the loader gets. `tools/mutants.py` plants a wrong default for every row and checks a test here fails."""
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -17,6 +19,8 @@ SIDE,SIZE = 64,32  # the image, and the loader's output: a map with no crop and 
 N,BS = 2000,500
 SIGMAS = 4.5
 FIXED = dict(area=(1., 1.), ratio=(1., 1.))  # the whole image, resized: no crop
+# CPU by default; `make gpu-test` runs this file again with DALI_FASTAI_TEST_DEVICE=gpu (README: same behaviour on both)
+DEVICE = os.environ.get('DALI_FASTAI_TEST_DEVICE', 'cpu')
 
 
 @pytest.fixture(scope='module')
@@ -24,12 +28,12 @@ def image(tmp_path_factory): return make_coordinate_image(tmp_path_factory.mktem
 
 
 def loader(image, n=N, bs=BS, size=SIZE, **kw)->DaliDataLoader:
-    return DaliDataLoader(ImageItems([image]*n, [0]*n, ['a']), bs=bs, size=size, train=True, device='cpu', **kw)
+    return DaliDataLoader(ImageItems([image]*n, [0]*n, ['a']), bs=bs, size=size, train=True, device=DEVICE, **kw)
 
 
 def maps(image, seed, **kw)->np.ndarray:
     "`[N, 2, 3]`: per sample, output pixel → source pixel, over one epoch of a `loader` with `kw` changed"
-    return np.concatenate([source_maps(x) for x,_ in loader(image, seed=seed, **kw)])
+    return np.concatenate([source_maps(x.cpu()) for x,_ in loader(image, seed=seed, **kw)])
 
 
 def assert_binomial(k, n, p, what):
@@ -150,6 +154,7 @@ def test_default_pad_mode_is_reflection(image):
     "Pixels read from outside the image mirror it (README: reflection), not zeros (black) or the edge's colour"
     x, = [x for x,_ in loader(image, n=1, bs=1, seed=0, p_hflip=0., p_vflip=0., warp_mode=None, p_rotate=1.,
                               rotate_range=(45., 45.), **FIXED)]
+    x = x.cpu()
     m = source_maps(x)[0]
     p = (x[0].float()*torch.tensor(IMAGENET_STD).view(3, 1, 1) + torch.tensor(IMAGENET_MEAN).view(3, 1, 1))*255
     src = m @ [0.5, 0.5, 1.]  # the top-left pixel's centre, read from outside the image
@@ -162,8 +167,8 @@ def test_default_pad_mode_is_reflection(image):
 
 def test_default_valid_centre_crop(image):
     "Validation resizes the shorter side to size/0.875 and keeps the centre (README: crop_pct 0.875)"
-    dl = DaliDataLoader(ImageItems([image], [0], ['a']), bs=1, size=28, device='cpu')
-    m = source_maps(dl.one_batch()[0])[0]
+    dl = DaliDataLoader(ImageItems([image], [0], ['a']), bs=1, size=28, device=DEVICE)
+    m = source_maps(dl.one_batch()[0].cpu())[0]
     np.testing.assert_allclose(m[:, :2], 2*np.eye(2), atol=1e-3)  # 64 px → 32 (28/0.875), no flip
     np.testing.assert_allclose(m[:, :2]@[28, 28]/SIDE, [0.875, 0.875], atol=1e-3, err_msg="the window's share")
     np.testing.assert_allclose(m @ [14, 14, 1], [SIDE/2, SIDE/2], atol=0.05, err_msg="the window's centre")
@@ -176,10 +181,11 @@ def test_default_normalization_is_imagenet(tmp_path, train):
     colour = (200, 40, 90)
     f = tmp_path/'solid.png'
     Image.new('RGB', (16, 16), colour).save(f)
-    dl = DaliDataLoader(ImageItems([f], [0], ['a']), bs=1, size=8, device='cpu', train=train, seed=0)
+    dl = DaliDataLoader(ImageItems([f], [0], ['a']), bs=1, size=8, device=DEVICE, train=train, seed=0)
     x,_ = dl.one_batch()
+    x = x.cpu()
     assert x.dtype == torch.float32 and x.shape == (1, 3, 8, 8)
     expected = [(c/255 - m)/s for c,m,s in zip(colour, IMAGENET_MEAN, IMAGENET_STD)]
     np.testing.assert_allclose(x[0].mean((1, 2)).numpy(), expected, atol=1e-3)
-    np.testing.assert_allclose(dl.decode((x, torch.tensor([0])))[0][0].mean((1, 2)).numpy(), np.array(colour)/255,
+    np.testing.assert_allclose(dl.decode((x, torch.tensor([0])))[0][0].mean((1, 2)).cpu().numpy(), np.array(colour)/255,
                                atol=1e-3)
