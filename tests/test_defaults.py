@@ -189,3 +189,13 @@ def test_default_normalization_is_imagenet(tmp_path, train):
     np.testing.assert_allclose(x[0].mean((1, 2)).numpy(), expected, atol=1e-3)
     np.testing.assert_allclose(dl.decode((x, torch.tensor([0])))[0][0].mean((1, 2)).cpu().numpy(), np.array(colour)/255,
                                atol=1e-3)
+
+
+def test_default_composes_one_resample(image):
+    "compose=True by default: a warp and a rotation are one resample (step by step, the corners read other pixels)"
+    kw = dict(n=1, bs=1, seed=0, p_hflip=0., p_vflip=0., p_rotate=1., rotate_range=(30., 30.), n_warps=1, p_warp=1.,
+              **FIXED)
+    def batch(**k): return next(iter(loader(image, **kw, **k)))[0].cpu()
+    default,composed,stepwise = batch(),batch(compose=True),batch(compose=False)
+    assert torch.equal(default, composed)
+    assert (composed - stepwise).abs().max() > 0.1, "the test tells one resample from two"

@@ -38,6 +38,7 @@ MUTANTS = [
                "synthetic_warps(aug.pop('n_warps', 7), aug.get('warp_magnitude', 0.2)", 'warp x, y ~ U(-0.1, 0.1)'),
     ('pipeline', "pad_mode:str='reflection', # fill", "pad_mode:str='zeros', # fill", 'reflection padding'),
     ('pipeline', "pad_mode:str='reflection', # fill", "pad_mode:str='border', # fill", 'reflection padding'),
+    ('pipeline', 'compose:bool=True, # multiply', 'compose:bool=False, # multiply', 'one composed resample'),
     ('pipeline', 'area:tuple=(0.08, 1.), # random-resized-crop', 'area:tuple=(0.25, 1.), # random-resized-crop', 'crop area 0.08–1'),
     ('pipeline', 'ratio:tuple=(3/4, 4/3), # random-resized-crop', 'ratio:tuple=(0.9, 1.1), # random-resized-crop', 'crop ratio 3/4–4/3'),
     ('loader', 'crop_pct:float=0.875, # validation', 'crop_pct:float=1.0, # validation', 'valid crop_pct 0.875'),
