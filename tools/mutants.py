@@ -161,7 +161,7 @@ def main():
             shutil.rmtree(copy)
             what = f"{m[0]}.py {m[1]!r} -> {m[2]!r} ({m[3]})"
             print(f"mutant {i:2} {'SURVIVED' if passed else 'killed  '} {secs:5.0f} s  {what}"
-                  + ('' if passed else f"\n            by {re.sub(r'^(FAILED|ERROR) ', '', why)[:200]}"), flush=True)
+                  + ('' if passed else f"\n            by {re.sub(r'^(FAILED|ERROR) (\S*?)(?=tests/)', '', why)[:200]}"), flush=True)
             if passed: survivors.append(f"{i}: {what}")
     print(f"\nkilled {len(todo) - len(survivors)} of {len(todo)}")
     for s in survivors: print(f"  survived {s}")
