@@ -99,6 +99,19 @@ def test_default_fixed_warps(flips_and_warps):
     assert np.abs(seven).max() > 0.05, f"warp x, y all within ±0.05 (magnitude 0.1 expected): {seven.tolist()}"
 
 
+def test_default_random_warps(image):
+    "warp_mode='random': 7 warps per sample (n_warps), each with p=0.025, x and y drawn per sample from ±0.1"
+    (_,v),m = flips(ms := maps(image, 4, warp_mode='random', p_rotate=0., **FIXED)),unflipped(ms)
+    warped = np.abs(m - np.eye(2)).max((1, 2)) > 1e-3
+    assert_binomial(warped.sum(), N, P_ANY_WARP, 'samples with at least one random warp')
+    w = m[warped]
+    np.testing.assert_allclose(np.median(np.abs(w @ [1., -1.] - [1., -1.]), 0), 0, atol=2e-3, err_msg="warp_matrix form")
+    assert len(np.unique(np.round(w[:, [0, 1], [1, 0]]/2, 3), axis=0)) > 0.8*len(w), "every sample draws its own warp"
+    xy = np.abs(w[:, [0, 1], [1, 0]]/2).max(1)
+    # a product of two warps may reach beyond 0.1; one warp (most samples) stays within it
+    assert (xy > 0.1 + 2e-3).mean() < 0.1 and xy.max() > 0.08, f"|x|, |y| beyond 0.1: {(xy > 0.102).mean():.2f}"
+
+
 # ---------------------------------------------------------------- the coin-flip rotation
 
 def test_default_rotation(image):

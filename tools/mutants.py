@@ -36,6 +36,8 @@ MUTANTS = [
     ('loader', "aug.pop('n_warps', 7)", "aug.pop('n_warps', 5)", '7 fixed warps'),
     ('loader', "synthetic_warps(aug.pop('n_warps', 7), aug.get('warp_magnitude', 0.1)",
                "synthetic_warps(aug.pop('n_warps', 7), aug.get('warp_magnitude', 0.2)", 'warp x, y ~ U(-0.1, 0.1)'),
+    ('pipeline', 'n_warps:int=7, # number of warps', 'n_warps:int=4, # number of warps', "warp_mode='random': 7 warps"),
+    ('pipeline', 'warp_magnitude:float=0.1, # x, y range', 'warp_magnitude:float=0.2, # x, y range', 'random warps U(-0.1, 0.1)'),
     ('pipeline', "pad_mode:str='reflection', # fill", "pad_mode:str='zeros', # fill", 'reflection padding'),
     ('pipeline', "pad_mode:str='reflection', # fill", "pad_mode:str='border', # fill", 'reflection padding'),
     ('pipeline', 'compose:bool=True, # multiply', 'compose:bool=False, # multiply', 'one composed resample'),
@@ -160,8 +162,9 @@ def main():
             passed,secs,why = run_tests(copy, selection(m[0]), a.timeout, a.workers)
             shutil.rmtree(copy)
             what = f"{m[0]}.py {m[1]!r} -> {m[2]!r} ({m[3]})"
+            by = re.sub(r'^(FAILED|ERROR) (\S*?)(?=tests/)', '', why)[:200]  # the test, by its tests/ path
             print(f"mutant {i:2} {'SURVIVED' if passed else 'killed  '} {secs:5.0f} s  {what}"
-                  + ('' if passed else f"\n            by {re.sub(r'^(FAILED|ERROR) (\S*?)(?=tests/)', '', why)[:200]}"), flush=True)
+                  + ('' if passed else f"\n            by {by}"), flush=True)
             if passed: survivors.append(f"{i}: {what}")
     print(f"\nkilled {len(todo) - len(survivors)} of {len(todo)}")
     for s in survivors: print(f"  survived {s}")
