@@ -1,8 +1,8 @@
 """The README's default augmentation table, checked through the loader's own path.
 
-Every test builds a `DaliDataLoader(train=True, device='cpu')` and passes only what it must switch off, so the defaults
-under test come from the loader itself (`compose=True`: one resample, vertical flip and fixed warps drawn together as
-one subset). The images are `helpers.make_coordinate_image`s: their red and green are the pixel's coordinates, so the
+Every test builds a `DaliDataLoader(train=True)` (on the CPU; on the GPU under `make gpu-test`) and passes only what it
+must switch off, so the defaults under test come from the loader itself (`compose=True`: one resample, vertical flip
+and fixed warps drawn together as one subset). The images are `helpers.make_coordinate_image`s: their red and green are the pixel's coordinates, so the
 affine map each sample was read through (crop, resize, flips, warps, rotation) is fitted back from its output
 (`helpers.source_maps`). `test_augment_stats.py` checks the graph pieces (`affine_steps`) one by one; this file checks
 what a user of the loader gets. `tools/mutants.py` plants a wrong default for every row and checks a test here fails."""
@@ -50,7 +50,9 @@ def unflipped(ms):
     "The linear part with the flips taken out, in size-pixel units: vflip · N · hflip = M, so N = vflip · M · hflip"
     h,v = flips(ms)
     m = ms[:, :, :2]*(SIZE/SIDE)
-    return m*np.stack([np.where(h, -1., 1.), np.ones(len(ms))], 1)[:, None, :]*np.stack([np.ones(len(ms)), np.where(v, -1., 1.)], 1)[:, :, None]
+    m[:, :, 0] *= np.where(h, -1., 1.)[:, None]  # the horizontal flip (on the right) negates column 0
+    m[:, 1, :] *= np.where(v, -1., 1.)[:, None]  # the vertical flip (on the left) negates row 1
+    return m
 
 
 def test_maps_are_read_back_exactly(image):
