@@ -19,7 +19,7 @@ PIP_INSTALL := $(PIP) install --quiet --progress-bar off
 # pip warns once per package about `file://` extra indexes that lack it; that is noise, not news
 QUIET_PIP := { grep -v -e 'is ignored: it is neither a file nor a directory' >&2 || true; }
 
-.PHONY: help venv test demo export clean settings readme gpu-test
+.PHONY: help venv test demo export clean settings readme gpu-test mutants
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F ':.*## ' '{printf "  make %-9s %s\n", $$1, $$2}'
@@ -63,5 +63,18 @@ settings:  ## regenerate settings.ini from pyproject.toml
 readme:  ## regenerate README.md from nbs/index.ipynb
 	$(PYTHON) tools/readme.py
 
-gpu-test: venv  ## on the GPU machine: run the notebooks with their `#| cuda` cells
-	$(BIN)/nbdev-test --flags cuda
+# The GPU machine has no .venv and no network: `make gpu-test PY=python3` uses that python (torch, pytest, pytest-xdist,
+# pytest-timeout there; DALI, fastai, fastcore, nbdev on PYTHONPATH) and builds nothing. Without PY: the .venv's python.
+PY ?=
+GPU_PY = $(or $(PY),$(BIN)/python)
+# GPU tests fail, not skip, when no GPU is visible (tests/conftest.py stops the run first)
+GPU_ENV := DALI_FASTAI_GPU_TESTS=1 DALI_FASTAI_NB_SKIP_FLAGS=notest
+
+gpu-test: $(if $(PY),,venv)  ## on the GPU machine: every GPU test (`gpu` tests, notebooks' `#| cuda` cells, decoders on the GPU)
+	@echo "== GPU: tests marked gpu, notebooks with their #| cuda cells"
+	$(GPU_ENV) $(GPU_PY) -m pytest -n $(N) -ra -m gpu tests
+	@echo "== GPU: unusual images and the default augmentations through the GPU backend"
+	$(GPU_ENV) DALI_FASTAI_TEST_DEVICE=gpu $(GPU_PY) -m pytest -n $(N) -ra tests/test_files.py tests/test_defaults.py
+
+mutants: venv  ## plant known bugs in a copy of the package; every one must fail a test (slow: not part of `test`)
+	$(BIN)/python tools/mutants.py

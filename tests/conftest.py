@@ -1,5 +1,8 @@
-"Test session setup: headless plotting, and the CPU cores shared out among pytest-xdist workers"
+"""Test session setup: headless plotting, the CPU cores shared out among pytest-xdist workers, the `gpu` marker, and
+the index images most test files read"""
 import os
+
+import pytest
 
 # Set before anything imports matplotlib or torch: the notebooks run inside these same worker processes.
 # CUDA_VISIBLE_DEVICES is left alone: GPU-only cells carry `#| cuda` and are skipped here (`make gpu-test` runs them).
@@ -10,3 +13,23 @@ _workers = int(os.environ.get('PYTEST_XDIST_WORKER_COUNT', '1'))
 if _workers > 1:
     _threads = str(max(1, (os.cpu_count() or 1) // _workers))
     for _var in ('OMP_NUM_THREADS', 'MKL_NUM_THREADS', 'OPENBLAS_NUM_THREADS'): os.environ.setdefault(_var, _threads)
+
+
+def pytest_configure(config):
+    config.addinivalue_line('markers', 'gpu: needs a GPU; `make gpu-test` runs these (helpers.needs_gpu)')
+
+
+@pytest.fixture(scope='session')
+def files(tmp_path_factory):
+    "`MAX_INDEX` index images (`helpers.make_index_images`), shared by every test file that slices them"
+    from helpers import make_index_images, MAX_INDEX  # here: helpers imports torch, which must follow the settings above
+    return make_index_images(tmp_path_factory.mktemp('index'), MAX_INDEX)
+
+
+def pytest_sessionstart(session):
+    "A GPU run (`make gpu-test`) with no GPU visible stops here, loudly: its tests would otherwise fail one by one"
+    if os.environ.get('DALI_FASTAI_GPU_TESTS') != '1': return
+    import torch
+    if not torch.cuda.is_available():
+        raise pytest.UsageError("DALI_FASTAI_GPU_TESTS=1 (make gpu-test) but PyTorch sees no GPU: run it on the GPU "
+                                "machine, or check CUDA_VISIBLE_DEVICES and the driver")

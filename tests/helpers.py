@@ -1,11 +1,14 @@
-"""Shared test data: images whose colour encodes their index, a Fashion-MNIST subset, and a tiny model.
+"""Shared test data: images whose colour encodes their index or their pixel coordinates, a Fashion-MNIST subset, a tiny
+model, and the switch that makes GPU tests fail instead of skipping (`make gpu-test`). The `files` fixture is in
+`conftest.py`.
 
 Import explicitly (`from helpers import ...`): pytest puts `tests/` on `sys.path` (rootdir-relative import, no
 `__init__.py`)."""
-import importlib.util
+import importlib.util, os
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from PIL import Image
 from torch import nn
@@ -16,9 +19,31 @@ from fastai.losses import CrossEntropyLossFlat
 from dali_fastai.datasets import fashion_mnist, FASHION_MNIST_CLASSES
 from dali_fastai.loader import DaliDataLoader, ImageItems
 from dali_fastai.data import DaliDataLoaders
-from dali_fastai.pipeline import IMAGENET_MEAN, IMAGENET_STD
 
 MAX_INDEX = 256  # `index_colour` encodes 0 .. 255
+# The README's normalization (ImageNet's statistics), written out rather than imported: a wrong default in the package
+# must not be mirrored by the tests' own decoding.
+IMAGENET_MEAN,IMAGENET_STD = (0.485, 0.456, 0.406),(0.229, 0.224, 0.225)
+
+# `make gpu-test` sets DALI_FASTAI_GPU_TESTS=1: GPU tests then run, and fail when no GPU is visible, instead of skipping
+GPU_RUN = os.environ.get('DALI_FASTAI_GPU_TESTS') == '1'
+
+
+def gpu_marks(what:str)->list:
+    "Marks of a test that needs a GPU: `gpu` (what `make gpu-test` selects); skipped without one, unless in a GPU run"
+    return [pytest.mark.gpu, pytest.mark.skipif(not GPU_RUN and not torch.cuda.is_available(),
+                                                reason=f'{what}: needs a GPU (`make gpu-test` runs it on the GPU machine)')]
+
+
+def needs_gpu(what:str):
+    "Decorator: `gpu_marks(what)` on a test function"
+    def mark(f):
+        for m in gpu_marks(what): f = m(f)
+        return f
+    return mark
+
+
+def flat(batches:list)->list: return [i for b in batches for i in b]
 
 
 def index_colour(i:int)->tuple:
@@ -49,6 +74,33 @@ def decode_index(x:torch.Tensor)->list:
     p = denorm(x)
     r,g = p[:, 0].mean((1, 2)),p[:, 1].mean((1, 2))
     return ((r // 16) + 16*(g // 16)).long().tolist()
+
+
+COORD_SCALE = 4  # `make_coordinate_image`: 4 levels of red (green) per pixel column (row), so up to 64 pixels a side
+
+
+def make_coordinate_image(f, side:int=64)->Path:
+    """A lossless PNG whose red and green are its pixel centre's x and y (`COORD_SCALE` levels a pixel), blue 200:
+    resizes and bilinear warps keep such a linear image linear, so the map a loader applied can be read off its output"""
+    if side*COORD_SCALE > 256: raise ValueError(f"side {side} too large: at most {256//COORD_SCALE}")
+    yy,xx = np.mgrid[:side, :side]
+    img = np.stack([COORD_SCALE*(xx + 0.5), COORD_SCALE*(yy + 0.5), np.full(xx.shape, 200.)], -1)
+    Image.fromarray(img.astype(np.uint8)).save(f)
+    return Path(f)
+
+
+def source_maps(x:torch.Tensor, # normalized NCHW batch of `make_coordinate_image` images through a loader
+                margin:float=0.25, # fit on the centre, leaving this share of each side (borders are padded, not linear)
+               )->np.ndarray: # `[N, 2, 3]`: output pixel centre (u, v) -> source pixel coordinates (x, y)
+    "The affine map each sample's pixels were read through, fitted by least squares to its red and green"
+    p = denorm(x).numpy()
+    n,_,h,w = p.shape
+    vv,uu = np.mgrid[:h, :w] + 0.5
+    keep = ((uu > margin*w) & (uu < (1 - margin)*w) & (vv > margin*h) & (vv < (1 - margin)*h)).ravel()
+    a = np.stack([uu.ravel(), vv.ravel(), np.ones(h*w)], 1)[keep]
+    src = p[:, :2].reshape(n, 2, -1)[..., keep]/COORD_SCALE  # [n, 2, pixels]
+    sol = np.linalg.lstsq(a, src.transpose(2, 0, 1).reshape(len(a), -1), rcond=None)[0]  # [3, n*2]
+    return sol.reshape(3, n, 2).transpose(1, 2, 0)
 
 
 def index_items(files:list)->ImageItems:

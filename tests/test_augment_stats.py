@@ -84,13 +84,19 @@ def test_step_probability(default_steps, i):
     assert_binomial(int(sum(f[:, i].sum() for f in flags)), N*len(flags), PROBS[i], f"{STEPS[i]}, both batches")
 
 
-def test_coins_independent_across_steps(default_steps):
-    flags,_ = default_steps
-    f = np.concatenate(flags)
+PAIR_BATCHES = 12  # 48,000 samples: two warps together are then expected 30 times, and 0 is outside the bound
+
+
+def test_coins_independent_across_steps():
+    "Every pair of steps is applied together at the product of their rates: not exclusive, not tied"
+    batches = run(lambda: affine_steps(SIZE, warps=WARPS), seed=99, batches=PAIR_BATCHES)
+    f = np.concatenate([np.stack([applied(m) for m in b], 1) for b in batches])
     n = len(f)
     for i in range(len(STEPS)):
         for j in range(i + 1, len(STEPS)):
-            assert_binomial(int((f[:, i] & f[:, j]).sum()), n, PROBS[i]*PROBS[j], f"{STEPS[i]} and {STEPS[j]} together")
+            p = PROBS[i]*PROBS[j]
+            assert n*p - SIGMAS*np.sqrt(n*p*(1 - p)) - 1 > 0, "the test itself: mutually exclusive coins must fail it"
+            assert_binomial(int((f[:, i] & f[:, j]).sum()), n, p, f"{STEPS[i]} and {STEPS[j]} together")
     # the number of fixed warps a sample gets is Binomial(7, 0.025), not 0-or-7 (one coin shared by all warps)
     k = f[:, 1:8].sum(1)
     assert_binomial(int((k == 1).sum()), n, 7*0.025*0.975**6, "exactly one warp")

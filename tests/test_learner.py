@@ -4,13 +4,15 @@ The full training (2 epochs, 3,000 images) runs once, in `test_trained_learner`:
 train once per pytest-xdist worker. The other tests use a 300-image subset."""
 import math
 
+import numpy as np
+
 import matplotlib
 matplotlib.use('Agg')
 import matplotlib.pyplot as plt
 import pytest
 import torch
 from fastai.callback.core import Callback, CancelFitException
-from fastai.callback.schedule import fit_one_cycle, lr_find  # noqa: F401 (add Learner.fit_one_cycle and lr_find)
+from fastai.callback.schedule import fit_one_cycle, lr_find, valley  # noqa: F401 (add Learner.fit_one_cycle and lr_find)
 from fastai.data.transforms import Normalize
 from fastai.learner import load_learner
 from fastai.metrics import accuracy
@@ -94,8 +96,15 @@ def test_lr_find_then_fit_one_cycle(small_learner):
     learn,dls = small_learner,small_learner.dls
     with learn.no_bar(): res = learn.lr_find(num_it=20)
     assert plt.gcf().axes, "lr_find plots"
-    assert 1e-7 < res.valley < 10 and math.isfinite(res.valley)
-    assert 1 <= sum(counter(learn).n_train) <= 20, "lr_find stops after num_it batches (or sooner, on divergence)"
+    # fastai's LR finder, batch by batch: lr = 1e-7·(10/1e-7)^(i/num_it), one batch each, until num_it or divergence
+    lrs,losses = learn.recorder.lrs,learn.recorder.losses
+    n = sum(counter(learn).n_train)
+    assert len(lrs) == n and 6 <= n <= 20, f"{n} batches: lr_find stops after num_it (or on divergence)"
+    assert n == 20 or losses[-1] > 4*min(losses), "stopped early without diverging"
+    np.testing.assert_allclose(lrs, [1e-7*(10/1e-7)**(i/20) for i in range(n)], rtol=1e-5)
+    # the suggestion is fastai's valley of these very losses
+    expected,_ = valley(torch.tensor(lrs[2:-5]), torch.tensor(losses[2:-5]), 20)
+    assert res.valley == pytest.approx(expected, rel=1e-6)
     with learn.no_bar(): learn.fit_one_cycle(1, res.valley)
     c = counter(learn)
     assert c.n_train == [len(dls.train)], "the train epoch after lr_find's abandoned one is whole"
@@ -119,7 +128,11 @@ def test_validate_after_cancelled_fit(small_learner):
     with learn.no_bar(): learn.fit(1, cbs=CancelAfter(2))
     assert counter(learn).n_train == [2] and counter(learn).n_valid == []
     with learn.no_bar(): loss,acc = learn.validate()
-    assert math.isfinite(loss) and 0 <= acc <= 1
+    # validate saw every valid item once: its numbers are those of the per-item predictions
+    preds,targs,losses = learn.get_preds(with_loss=True)
+    assert targs.tolist() == dls.valid_ds.labels
+    assert acc == pytest.approx((preds.argmax(1) == targs).float().mean().item(), abs=1e-6)
+    assert loss == pytest.approx(losses.mean().item(), rel=1e-4)
     with learn.no_bar(): learn.fit_one_cycle(1, 1e-3)
     assert counter(learn).n_train == [len(dls.train)] and counter(learn).n_valid == [len(dls.valid)]
     assert counter(learn).targets == [dls.valid_ds.labels]
@@ -149,12 +162,26 @@ def test_summary(small_learner):
 
 
 def test_plot_top_losses(small_learner):
+    "fastai's interpretation over our valid loader: the confusion matrix and top losses of the whole valid set"
     from fastai.interpret import ClassificationInterpretation
-    with small_learner.no_bar():
-        interp = ClassificationInterpretation.from_learner(small_learner)
+    learn,dls = small_learner,small_learner.dls
+    with learn.no_bar():
+        preds,targs,losses = learn.get_preds(with_loss=True)
+        interp = ClassificationInterpretation.from_learner(learn)
+        cm = interp.confusion_matrix()
         interp.plot_confusion_matrix()
         interp.plot_top_losses(4)
-    assert len(titles(plt.gcf())) == 4
+    expected = np.zeros((dls.c, dls.c), dtype=int)
+    np.add.at(expected, (targs.numpy(), preds.argmax(1).numpy()), 1)
+    np.testing.assert_array_equal(cm, expected)
+    assert cm.sum() == len(dls.valid_ds) and cm.sum(1).tolist() == np.bincount(dls.valid_ds.labels, minlength=dls.c).tolist()
+    top,idx = interp.top_losses(4)
+    np.testing.assert_allclose(top, losses.sort(descending=True).values[:4], rtol=1e-4)
+    ts = titles(plt.gcf())
+    assert len(ts) == 4
+    # fastai's titles: "prediction/actual / loss / probability", for the items with the top losses
+    assert [t.split(' / ')[0] for t in ts] == [f"{dls.vocab[preds[i].argmax()]}/{dls.vocab[dls.valid_ds.labels[i]]}"
+                                                for i in idx], ts
 
 
 @pytest.mark.xfail(strict=True, raises=ValueError,

@@ -21,18 +21,8 @@ from PIL import Image
 
 from dali_fastai.loader import DaliDataLoader, ImageItems
 from dali_fastai.data import DaliDataLoaders
-from helpers import (MAX_INDEX, make_index_images, index_items, index_loader, epoch_items, fmnist_subset, tiny_model,
+from helpers import (MAX_INDEX, flat, index_items, index_loader, epoch_items, fmnist_subset, tiny_model,
                      Items, RaiseAt, index_learner, N_TRAIN, N_VALID, BS)
-
-N_FILES = 64
-
-
-@pytest.fixture(scope='module')
-def files(tmp_path_factory): return make_index_images(tmp_path_factory.mktemp('index'), N_FILES)
-
-
-def flat(batches): return [i for b in batches for i in b]
-
 
 # ---------------------------------------------------------------- exact len, exactly once
 

@@ -1,0 +1,174 @@
+#!/usr/bin/env python3
+"""Planted mutants: known bugs, one at a time, in a copy of `dali_fastai/`; each must make a test fail.
+
+Each row of `MUTANTS` is (module, original text, mutated text, the promise it breaks). For every mutant the package is
+copied to a temporary folder, the original text (which must occur exactly once) is replaced, and the tests that matter
+for that module (`SELECTIONS`, or the whole fast suite with `--all-tests`) run with the copy first on the import path,
+stopping at the first failure. The real files are never touched. A mutant is killed when a test fails (or the run
+times out: a hang is a failure too); it survives when every selected test passes.
+
+After a refactoring, a row whose original text has moved stops the run at once with
+"mutant N no longer applies: <file> has no <text>": update the row (or drop it, if the promise went away).
+
+Why planted mutants and not a generic tool (mutmut): on 2 cores, a suite of ~800 tests run once per generated mutant
+takes days; these rows are the promises the README makes (default augmentation, the callbacks' effect on the schedule,
+exact len and exactly-once accounting), checked in minutes.
+
+    python tools/mutants.py                # all mutants (`make mutants`)
+    python tools/mutants.py --only 3,7     # some of them
+    python tools/mutants.py --list         # the table
+    python tools/mutants.py --all-tests    # every mutant against the whole suite but the notebooks (slow)
+"""
+import argparse, os, re, shutil, subprocess, sys, tempfile, time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PKG = 'dali_fastai'
+
+# (module, original text, mutated text, the promise it breaks)
+MUTANTS = [
+    # README's default augmentation table (`augment` and `train_pipeline` in pipeline.py, the fixed warps in loader.py)
+    ('pipeline', 'p_hflip:float=0.5, # probability', 'p_hflip:float=0.4, # probability', 'hflip p=0.5'),
+    ('pipeline', 'p_vflip:float=0.1, # probability', 'p_vflip:float=0.2, # probability', 'vflip p=0.1'),
+    ('pipeline', 'p_rotate:float=0.075, # probability', 'p_rotate:float=0.75, # probability', 'rotate p=0.075'),
+    ('pipeline', 'rotate_range:tuple=(-7., 7.), # rotation', 'rotate_range:tuple=(-10., 10.), # rotation', 'rotate U(-7°, 7°)'),
+    ('pipeline', 'p_warp:float=0.025, # probability', 'p_warp:float=0.05, # probability', 'warp p=0.025 each'),
+    ('loader', "aug.pop('n_warps', 7)", "aug.pop('n_warps', 5)", '7 fixed warps'),
+    ('loader', "synthetic_warps(aug.pop('n_warps', 7), aug.get('warp_magnitude', 0.1)",
+               "synthetic_warps(aug.pop('n_warps', 7), aug.get('warp_magnitude', 0.2)", 'warp x, y ~ U(-0.1, 0.1)'),
+    ('pipeline', 'n_warps:int=7, # number of warps', 'n_warps:int=4, # number of warps', "warp_mode='random': 7 warps"),
+    ('pipeline', 'warp_magnitude:float=0.1, # x, y range', 'warp_magnitude:float=0.2, # x, y range', 'random warps U(-0.1, 0.1)'),
+    ('pipeline', "pad_mode:str='reflection', # fill", "pad_mode:str='zeros', # fill", 'reflection padding'),
+    ('pipeline', "pad_mode:str='reflection', # fill", "pad_mode:str='border', # fill", 'reflection padding'),
+    ('pipeline', 'compose:bool=True, # multiply', 'compose:bool=False, # multiply', 'one composed resample'),
+    ('pipeline', 'area:tuple=(0.08, 1.), # random-resized-crop', 'area:tuple=(0.25, 1.), # random-resized-crop', 'crop area 0.08–1'),
+    ('pipeline', 'ratio:tuple=(3/4, 4/3), # random-resized-crop', 'ratio:tuple=(0.9, 1.1), # random-resized-crop', 'crop ratio 3/4–4/3'),
+    ('loader', 'crop_pct:float=0.875, # validation', 'crop_pct:float=1.0, # validation', 'valid crop_pct 0.875'),
+    ('pipeline', 'IMAGENET_MEAN = (0.485,', 'IMAGENET_MEAN = (0.5,', 'ImageNet stats'),
+    ('pipeline', 'IMAGENET_STD = (0.229,', 'IMAGENET_STD = (0.25,', 'ImageNet stats'),
+    # the folded subset draw (vertical flip and fixed warps as one choice) and the composed matrix
+    ('augment', '(np.arange(2**len(ps))[:, None] >> np.arange(len(ps))) & 1',
+                '(np.arange(2**len(ps))[:, None] >> np.arange(len(ps))[::-1]) & 1', 'vflip/warp subset bit order'),
+    ('augment', 'if k >> i & 1]', 'if k >> (len(mats) - 1 - i) & 1]', 'vflip/warp subset bit order'),
+    ('augment', 'fn.transforms.combine(*reversed(steps))', 'fn.transforms.combine(*steps)', 'steps in the article\'s order'),
+    ('augment', 'fn.random.coin_flip(probability=p)', 'fn.random.coin_flip(probability=min(1., 2*p))', 'every step\'s p'),
+    # the callbacks' effect on the schedule, and a clean epoch after an abandoned one
+    ('callbacks', 'order = ParamScheduler.order - 1', 'order = ParamScheduler.order + 1', 'ClampSchedPos before the scheduler'),
+    ('callbacks', 'end = (self.epoch + 1) / self.n_epoch', 'end = 1.', 'ClampSchedPos: within the epoch\'s share'),
+    ('callbacks', 'def before_train(self): restart_epoch(self.dl)', 'def before_train(self): pass', 'DaliResetCallback after lr_find'),
+    ('callbacks', 'if 0 < read < size:', 'if False:', 'DaliResetCallback drains an abandoned DALI epoch'),
+    # exact len and exactly-once accounting
+    ('loader', 'return n_items // bs if drop_last else -(-n_items // bs)',
+               'return n_items // bs if drop_last else n_items // bs + 1', 'len = batches yielded'),
+    ('loader', 'return [(r+1)*n_items//world_size - r*n_items//world_size for r in range(world_size)]',
+               'return [n_items//world_size for r in range(world_size)]', 'shards cover every item'),
+    ('loader', 'return max(counts) if pad else min(counts)', 'return min(counts) if pad else max(counts)', 'ranks step together'),
+    ('loader', 'for r,s in enumerate(sizes):', 'for r,s in reversed(list(enumerate(sizes))):', 'sharded valid set in item order'),
+    ('loader', 'drop_last = train if drop_last is None else drop_last', 'drop_last = False if drop_last is None else drop_last',
+               'training drops the last partial batch'),
+    ('loader', 'shuffle = train if shuffle is None else shuffle', 'shuffle = False if shuffle is None else shuffle',
+               'training reshuffles every epoch'),
+    ('loader', 'if self._taken >= n: continue', 'if self._taken > n: continue', 'the loader stops at len'),
+    ('loader', 'pad=not (self.shuffle or self.drop_last))', 'pad=False)', 'sharded in-order epochs see every item'),
+    ('pipeline', 'pad_last_batch=True,', 'pad_last_batch=False,', 'exactly once per epoch'),
+]
+
+FAST = ['tests/test_defaults.py', 'tests/test_augment_stats.py']
+SELECTIONS = {  # per module: pytest arguments, relative to the repository root
+    'augment': FAST,
+    'pipeline': FAST + ['tests/test_loader_edges.py'],
+    'callbacks': ['tests/test_callbacks.py'],
+    'loader': ['tests/test_loader_edges.py', 'tests/test_defaults.py', 'tests/test_distributed.py',
+               '--deselect', 'tests/test_distributed.py::test_two_processes_through_distrib_ctx',
+               'tests/test_reliability.py::test_exactly_once', 'tests/test_reliability.py::test_get_preds_exactly_once'],
+}
+ALL_TESTS = ['tests', '--ignore', 'tests/test_notebooks.py']
+
+
+def check_applies(i:int, mutant:tuple)->Path:
+    "The file mutant `i` changes, after checking its original text is there exactly once"
+    module,orig,_,_ = mutant
+    f = ROOT/PKG/f'{module}.py'
+    if not f.exists(): raise SystemExit(f"mutant {i} no longer applies: {f.relative_to(ROOT)} does not exist")
+    n = f.read_text().count(orig)
+    if n == 0: raise SystemExit(f"mutant {i} no longer applies: {f.relative_to(ROOT)} has no {orig!r}")
+    if n > 1: raise SystemExit(f"mutant {i} no longer applies: {f.relative_to(ROOT)} has {n} copies of {orig!r}: "
+                               "make the original text longer, so it names one place")
+    return f
+
+
+def copy_package(dest:Path, mutant:tuple|None=None)->Path:
+    "A copy of the package in `dest`, with `mutant` applied"
+    shutil.copytree(ROOT/PKG, dest/PKG, ignore=shutil.ignore_patterns('__pycache__'))
+    if mutant is not None:
+        module,orig,new,_ = mutant
+        f = dest/PKG/f'{module}.py'
+        f.write_text(f.read_text().replace(orig, new))
+    return dest
+
+
+def run_tests(copy:Path, args:list, timeout:float, workers:int)->tuple:
+    """(passed, seconds, first failure) of pytest over `args` with the copy imported instead of the real package.
+    The run's working directory is the copy: `python -m pytest` and pytest-xdist's workers put it first on sys.path."""
+    env = {**os.environ, 'PYTHONPATH': os.pathsep.join([str(copy), *[p for p in os.environ.get('PYTHONPATH', '').split(os.pathsep)
+                                                                       if p and Path(p).resolve() != ROOT]])}
+    cmd = [sys.executable, '-m', 'pytest', '-x', '-q', '-rf', '-p', 'no:cacheprovider', '--rootdir', str(ROOT),
+           '-c', str(ROOT/'pyproject.toml'), '-n', str(workers), '--timeout', str(int(timeout)),
+           *[a if a.startswith('-') else str(ROOT/a) for a in args]]
+    t = time.monotonic()
+    try: r = subprocess.run(cmd, cwd=copy, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired: return False,time.monotonic() - t,f"timed out after {timeout:.0f} s"
+    failed = [l for l in r.stdout.splitlines() if l.startswith(('FAILED', 'ERROR'))]
+    if r.returncode == 0: return True,time.monotonic() - t,''
+    return False,time.monotonic() - t,(failed[0] if failed else f"pytest exit {r.returncode}: {r.stdout[-500:]}{r.stderr[-500:]}")
+
+
+def imported_from(copy:Path)->str:
+    "Where `import dali_fastai` resolves with the copy in place (it must be the copy)"
+    env = {**os.environ, 'PYTHONPATH': str(copy)}
+    return subprocess.run([sys.executable, '-c', f'import {PKG}; print({PKG}.__file__)'], cwd=copy, env=env,
+                          capture_output=True, text=True, check=True).stdout.strip()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    ap.add_argument('--only', help='comma-separated mutant numbers (1-based)')
+    ap.add_argument('--all-tests', action='store_true', help='run the whole suite (but the notebooks) per mutant')
+    ap.add_argument('--timeout', type=float, default=600, help='seconds per mutant')
+    ap.add_argument('-n', '--workers', type=int, default=int(os.environ.get('N', 2)), help='pytest-xdist workers')
+    ap.add_argument('--no-baseline', action='store_true', help='skip the check that the selections pass unmutated')
+    ap.add_argument('--list', action='store_true', help='print the table and stop')
+    a = ap.parse_args()
+    todo = [int(i) for i in a.only.split(',')] if a.only else list(range(1, len(MUTANTS) + 1))
+    for i in todo: check_applies(i, MUTANTS[i - 1])  # every row first: a stale table fails before any test runs
+    if a.list:
+        for i in todo: print(f"{i:3} {MUTANTS[i-1][0]:9} {MUTANTS[i-1][1]!r} -> {MUTANTS[i-1][2]!r}  ({MUTANTS[i-1][3]})")
+        return
+    selection = lambda module: ALL_TESTS if a.all_tests else SELECTIONS[module]
+    with tempfile.TemporaryDirectory(prefix='mutants-') as tmp:
+        base = copy_package(Path(tmp)/'base')
+        where = imported_from(base)
+        if not where.startswith(str(base)): raise SystemExit(f"the copy is not what gets imported ({where}): check PYTHONPATH")
+        if not a.no_baseline:
+            # every selection once, in one run (pytest collects a file named twice once)
+            args = [x for sel in {tuple(selection(MUTANTS[i - 1][0])) for i in todo} for x in sel]
+            ok,secs,why = run_tests(base, args, a.timeout*3, a.workers)
+            print(f"baseline (no mutant): {'passed' if ok else 'FAILED'} in {secs:.0f} s {why}", flush=True)
+            if not ok: raise SystemExit("the selected tests fail without any mutant: fix them first")
+        survivors = []
+        for i in todo:
+            m = MUTANTS[i - 1]
+            copy = copy_package(Path(tmp)/f'm{i}', m)
+            passed,secs,why = run_tests(copy, selection(m[0]), a.timeout, a.workers)
+            shutil.rmtree(copy)
+            what = f"{m[0]}.py {m[1]!r} -> {m[2]!r} ({m[3]})"
+            by = re.sub(r'^(FAILED|ERROR) (\S*?)(?=tests/)', '', why)[:200]  # the test, by its tests/ path
+            print(f"mutant {i:2} {'SURVIVED' if passed else 'killed  '} {secs:5.0f} s  {what}"
+                  + ('' if passed else f"\n            by {by}"), flush=True)
+            if passed: survivors.append(f"{i}: {what}")
+    print(f"\nkilled {len(todo) - len(survivors)} of {len(todo)}")
+    for s in survivors: print(f"  survived {s}")
+    sys.exit(1 if survivors else 0)
+
+
+if __name__ == '__main__': main()
