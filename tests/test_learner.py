@@ -184,13 +184,18 @@ def test_plot_top_losses(small_learner):
                                                 for i in idx], ts
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError,
-                   reason="Learner.tta calls `dl.new(shuffled=False, ...)` and `dl.dataset.set_split_idx(0)`: "
-                          "DaliDataLoader.new rejects `shuffled`, ImageItems has no split_idx")
 def test_tta(small_learner):
-    with small_learner.no_bar(): preds,targs = small_learner.tta(n=2)
+    "fastai's tta: the validation items in order through the training augmentation, blended with the plain pass"
+    with small_learner.no_bar():
+        preds,targs = small_learner.get_preds()
+        plain,t1 = small_learner.tta(n=2, beta=1.)  # only the plain pass: get_preds' predictions
+        aug,t2 = small_learner.tta(n=2, beta=0.)  # only the augmented passes
+        mixed,_ = small_learner.tta(n=2)
     assert preds.shape == (len(small_learner.dls.valid_ds), 10)
-    assert targs.tolist() == small_learner.dls.valid_ds.labels
+    assert targs.tolist() == t1.tolist() == t2.tolist() == small_learner.dls.valid_ds.labels
+    assert torch.allclose(plain, preds, atol=1e-5)
+    assert not torch.allclose(aug, preds, atol=1e-3), "the augmented passes see augmented images"
+    assert mixed.shape == preds.shape
 
 
 def test_trained_learner(tmp_path):

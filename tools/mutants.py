@@ -68,7 +68,7 @@ MUTANTS = [
                'training drops the last partial batch'),
     ('loader', 'shuffle = train if shuffle is None else shuffle', 'shuffle = False if shuffle is None else shuffle',
                'training reshuffles every epoch'),
-    ('loader', 'if self._taken >= n: continue', 'if self._taken > n: continue', 'the loader stops at len'),
+    ('loader', 'if self.taken >= self.n: continue', 'if self.taken > self.n: continue', 'the loader stops at len'),
     ('loader', 'pad=not (self.shuffle or self.drop_last))', 'pad=False)', 'sharded in-order epochs see every item'),
     ('pipeline', 'pad_last_batch=True,', 'pad_last_batch=False,', 'exactly once per epoch'),
 ]
