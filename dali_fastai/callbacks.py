@@ -13,7 +13,7 @@ from fastai.callback.core import Callback
 from fastai.callback.schedule import ParamScheduler
 from fastai.torch_core import TensorImage, TensorCategory
 from nvidia.dali.plugin.pytorch import DALIGenericIterator
-from .loader import DaliDataLoader
+from .loader import DaliDataLoader, DaliEpoch
 
 # %% ../nbs/04_callbacks.ipynb #a87e42e9
 class UnpackDaliBatch(Callback):
@@ -48,9 +48,7 @@ def restart_epoch(dl):
     if not isinstance(dl, DALIGenericIterator): return
     read,size = _dali_position(dl)
     if 0 < read < size:
-        try:
-            while True: next(dl)
-        except StopIteration: pass
+        DaliEpoch(dl, len(dl)).drain()
         read,size = _dali_position(dl)
     if size > 0 and read >= size: dl.reset()
 
