@@ -6,8 +6,8 @@ Docs: https://dali-fastai.github.io/dali_fastai/translate.html.md"""
 
 # %% auto #0
 __all__ = ['norm_to_pixels', 'matmul', 'mat3', 'shared', 'uniform', 'draw_coin', 'masked', 'Unsupported', 'flip_node',
-           'dihedral_node', 'rotate_node', 'zoom_node', 'square_to_quad', 'adjugate', 'warp_node', 'rrc_gpu_node',
-           'ItemStep', 'GeometryStep', 'ItemFlip', 'ImageRecipe', 'fastai_recipe', 'KeywordRecipe', 'keyword_recipe']
+           'dihedral_node', 'rotate_node', 'zoom_node', 'warp_homography', 'warp_node', 'rrc_gpu_node', 'ItemStep',
+           'GeometryStep', 'ItemFlip', 'ImageRecipe', 'fastai_recipe', 'KeywordRecipe', 'keyword_recipe']
 
 # %% ../nbs/02b_translate.ipynb #19572965
 import math
@@ -97,15 +97,26 @@ def _fixed_draw(draw, what):
     if draw is None or isinstance(draw, (int, float, np.number)): return draw
     raise Unsupported(f"{what} with draw={draw!r}: only a fixed number compiles")
 
-# %% ../nbs/02b_translate.ipynb #d37aee85
+# %% ../nbs/02b_translate.ipynb #572ac4bc
+_I23 = np.eye(2, 3)
+
+def _affine(m):
+    "A NumPy 2×3 or 3×3 affine matrix as 3×3"
+    return np.vstack([m[:2], [0, 0, 1]]) if not _is_node(m) else m
+
+def _maybe(m:np.ndarray, c):
+    "The fixed 2×3 `m` where the coin `c` is 1, the identity where it is 0 (3 operators with the coin)"
+    if not _is_node(c): return _affine(m) if c else np.eye(3)
+    return types.Constant(_I23.astype(np.float32)) + c * types.Constant((m[:2] - _I23).astype(np.float32))
+
 def flip_node(p:float=0.5, # probability of a flip
               draw=None, # fixed: 1 flips, 0 does not
               batch:bool=False, # one draw for the whole batch
              ):
     "fastai's `flip_mat`: mirror x with probability `p`"
     d = _fixed_draw(draw, 'Flip')
-    m = 1 - 2*masked(1. if d is None else float(d), draw_coin(p, batch))
-    return mat3(m, 0, 0,  0, 1, 0,  0, 0, 1)
+    if d is not None and float(d) == 0: return np.eye(3)
+    return _maybe(np.diag([-1., 1, 1]), draw_coin(p, batch))
 
 _DIHEDRAL = np.stack([np.array([[xs*m0, xs*(1-m0), 0], [ys*(1-m0), ys*m0, 0], [0, 0, 1]], dtype=np.float64)
                       for xs,ys,m0 in zip([1,-1,1,-1,-1,1,1,-1], [1,1,-1,1,-1,-1,1,-1], [1,1,1,0,1,0,0,0])])
@@ -115,25 +126,29 @@ def dihedral_node(p:float=0.5, # probability of a (random) symmetry
                   batch:bool=False, # one draw for the whole batch
                  ):
     "fastai's `dihedral_mat`: one of the 8 symmetries of the square, `k` from 0..7, kept with probability `p`"
-    d,c = _fixed_draw(draw, 'Dihedral'),draw_coin(p, batch)
-    if d is not None and not _is_node(c): return _DIHEDRAL[int(d) if c else 0]
-    k = float(d) if d is not None else fn.cast(fn.random.uniform(values=list(range(8))), dtype=types.FLOAT)
-    if batch and _is_node(k): k = shared(k)
-    k = fn.cast(masked(k, c), dtype=types.INT32)
+    d = _fixed_draw(draw, 'Dihedral')
+    if d is not None:
+        if p in (0, 1): return _DIHEDRAL[int(d) if p else 0]
+        k = fn.cast(draw_coin(p, batch) * int(d), dtype=types.INT32)
+    else:  # k = 0 with probability 1-p, or any of the 8 with p/8: one draw
+        k = fn.random.choice(8, p=[1 - p + p/8] + [p/8]*7)
+        if batch: k = shared(k)
     onehot = fn.reshape(fn.one_hot(k, num_classes=8, dtype=types.FLOAT), shape=[8, 1, 1])
-    return fn.reductions.sum(onehot * types.Constant(_DIHEDRAL.astype(np.float32)), axes=0)
+    return fn.reductions.sum(onehot * types.Constant(_DIHEDRAL[:, :2].astype(np.float32)), axes=0)
 
 def rotate_node(max_deg:float=10, # angles from U(-max_deg, max_deg), in degrees
                 p:float=0.5, # probability of a rotation
                 draw=None, # fixed angle
                 batch:bool=False, # one draw for the whole batch
                ):
-    "fastai's `rotate_mat`"
-    d = _fixed_draw(draw, 'Rotate')
-    deg = masked(uniform(-max_deg, max_deg, batch) if d is None else float(d), draw_coin(p, batch))
-    if _is_node(deg): c,s = dmath.cos(deg * (math.pi/180)),dmath.sin(deg * (math.pi/180))
-    else: c,s = math.cos(math.radians(deg)),math.sin(math.radians(deg))
-    return mat3(c, s, 0,  -s, c, 0,  0, 0, 1)
+    "fastai's `rotate_mat`: `[[cos, sin], [-sin, cos]]`, which is DALI's `fn.transforms.rotation` by the opposite angle"
+    d,c = _fixed_draw(draw, 'Rotate'),draw_coin(p, batch)
+    if d is not None and not _is_node(c):
+        t = math.radians(float(d)) if c else 0.
+        return np.array([[math.cos(t), math.sin(t), 0], [-math.sin(t), math.cos(t), 0], [0, 0, 1]])
+    # U(-max_deg, max_deg) is symmetric: a random angle needs no negation
+    angle = masked(uniform(-max_deg, max_deg, batch) if d is None else -float(d), c)
+    return fn.transforms.rotation(angle=angle)
 
 def zoom_node(min_zoom:float=1., # zooms from U(min_zoom, max_zoom)
               max_zoom:float=1.1,
@@ -143,31 +158,45 @@ def zoom_node(min_zoom:float=1., # zooms from U(min_zoom, max_zoom)
               draw_y=None, # fixed centre, 0..1 down the height
               batch:bool=False, # one draw for the whole batch
              ):
-    "fastai's `zoom_mat`: the centre is drawn for every sample, the zoom kept with probability `p`"
+    "fastai's `zoom_mat`: scale by `1/zoom` about `2·(col, row) - 1`, the centre drawn for every sample, the zoom kept with probability `p`"
     d,dx,dy = _fixed_draw(draw, 'Zoom'),_fixed_draw(draw_x, 'Zoom'),_fixed_draw(draw_y, 'Zoom')
-    s = 1/masked(uniform(min_zoom, max_zoom, batch) if d is None else float(d), draw_coin(p, batch), neutral=1.)
-    col = uniform(0, 1, batch) if dx is None else float(dx)
-    row = uniform(0, 1, batch) if dy is None else float(dy)
-    return mat3(s, 0, (1-s)*(2*col-1),  0, s, (1-s)*(2*row-1),  0, 0, 1)
+    c = draw_coin(p, batch)
+    # z - 1 drawn directly and masked: z = 1 + c·(z - 1), two operators fewer than masking z about 1
+    z = 1 + masked(uniform(min_zoom - 1, max_zoom - 1, batch) if d is None else float(d) - 1, c)
+    if dx is not None and dy is not None: centre = [2*dx - 1, 2*dy - 1]
+    else:  # fastai's 2·U(0, 1) - 1 is U(-1, 1): drawn as such
+        centre = fn.random.uniform(range=[-1., 1.], shape=[2])
+        if batch: centre = shared(centre)
+        if dx is not None or dy is not None:  # one of them fixed
+            keep = np.array([dx is None, dy is None], np.float32)
+            fixed = np.array([0. if dx is None else 2*dx - 1, 0. if dy is None else 2*dy - 1], np.float32)
+            centre = centre * types.Constant(keep) + types.Constant(fixed)
+    if not _is_node(z) and not _is_node(centre):
+        s = 1/z
+        return np.array([[s, 0, (1-s)*centre[0]], [0, s, (1-s)*centre[1]], [0, 0, 1]])
+    return fn.transforms.scale(scale=1/z, center=centre, ndim=2)
 
-# %% ../nbs/02b_translate.ipynb #dd13f8b7
-def square_to_quad(pts:list, # where the unit square's (0,0), (1,0), (1,1), (0,1) go: (x, y) numbers or DataNodes
-                  )->list: # 3×3 homography as 9 entries, row by row
-    "Heckbert's closed form of the projective map of the unit square onto a quadrilateral"
-    (x0,y0),(x1,y1),(x2,y2),(x3,y3) = pts
-    dx1,dx2,dx3 = x1-x2,x3-x2,x0-x1+x2-x3
-    dy1,dy2,dy3 = y1-y2,y3-y2,y0-y1+y2-y3
-    den = dx1*dy2 - dx2*dy1
-    g,h = (dx3*dy2 - dx2*dy3)/den,(dx1*dy3 - dx3*dy1)/den
-    return [x1-x0+g*x1, x3-x0+h*x3, x0,  y1-y0+g*y1, y3-y0+h*y3, y0,  g, h, 1.]
+# %% ../nbs/02b_translate.ipynb #d6a81063
+def warp_homography(x:float, # fastai's horizontal corner shift
+                    y:float, # fastai's vertical corner shift
+                   )->np.ndarray: # 3×3 map from output to source, normalized coordinates
+    "fastai's `_WarpCoord` map for fixed `x, y`, in closed form"
+    q = 1 - x*x - y*y
+    return np.array([[q, 2*x*y, x*(x*x - y*y - 1)], [2*x*y, q, y*(y*y - x*x - 1)], [x*(x*x - y*y - 1), y*(y*y - x*x - 1), q]])
 
-def adjugate(m:list, # 3×3 matrix as 9 entries
-            )->list: # its adjugate, 9 entries: the inverse times the determinant
-    "The inverse of a 3×3 matrix up to a scale, which a homography ignores"
-    a,b,c,d,e,f,g,h,i = m
-    return [e*i-f*h, c*h-b*i, b*f-c*e,  f*g-d*i, a*i-c*g, c*d-a*f,  d*h-e*g, b*g-a*h, a*e-b*d]
+def _monomials()->list:
+    "Exponents (a, b) of x^a·y^b of the features `w⊗w⊗w` of `w = (x, y, 1)`, in `warp_node`'s order"
+    w = [(1, 0), (0, 1), (0, 0)]
+    return [(a1 + a2 + a3, b1 + b2 + b3) for a1,b1 in w for a2,b2 in w for a3,b3 in w]
 
-_SQUARE_INV = np.array([[2., 0, -1], [0, 2, -1], [0, 0, 1]])  # unit square → [-1, 1]²
+def _warp_coefficients()->np.ndarray:
+    "[27, 3, 3] coefficients of `warp_homography` on the features, read off it numerically (least squares, exact)"
+    pts = [(0.1*i, 0.07*j) for i in range(-3, 4) for j in range(-3, 4)]
+    feats = np.array([[x**a * y**b for a,b in _monomials()] for x,y in pts])
+    target = np.stack([warp_homography(x, y) for x,y in pts]).reshape(len(pts), 9)
+    return np.linalg.lstsq(feats, target, rcond=None)[0].reshape(-1, 3, 3)
+
+_WARP_C = _warp_coefficients()
 
 def warp_node(magnitude:float=0.2, # corner shifts from U(-magnitude, magnitude)
               p:float=0.5, # probability of keeping each of x and y (two coins, as fastai)
@@ -177,14 +206,21 @@ def warp_node(magnitude:float=0.2, # corner shifts from U(-magnitude, magnitude)
              ):
     "fastai's `_WarpCoord`: the homography from the moved corners back to the square's, per sample"
     dx,dy = _fixed_draw(draw_x, 'Warp'),_fixed_draw(draw_y, 'Warp')
-    x = masked(uniform(-magnitude, magnitude, batch) if dx is None else float(dx), draw_coin(p, batch))
-    y = masked(uniform(-magnitude, magnitude, batch) if dy is None else float(dy), draw_coin(p, batch))
-    if not _is_node(x) and not _is_node(y) and x == 0 and y == 0: return np.eye(3)
-    # fastai moves (-1,-1) to (-1-y, -1-x), (1,-1) to (1+y, -1+x), (1,1) to (1-y, 1-x), (-1,1) to (-1+y, 1+x)
-    quad = [(-1-y, -1-x), (1+y, -1+x), (1-y, 1-x), (-1+y, 1+x)]
-    return matmul(_SQUARE_INV, mat3(*adjugate(square_to_quad(quad))))
+    if p == 0: return np.eye(3)
+    if dx is not None and dy is not None and p == 1: return warp_homography(float(dx), float(dy))
+    if dx is None or dy is None:
+        v = fn.random.uniform(range=[-float(magnitude), float(magnitude)], shape=[2])
+        if dx is not None or dy is not None:
+            fixed,mask = np.array([dx or 0., dy or 0.], np.float32),np.array([dx is None, dy is None], np.float32)
+            v = v * types.Constant(mask) + types.Constant(fixed)
+    else: v = types.Constant(np.array([dx, dy], np.float32))
+    if p < 1: v = v * fn.random.coin_flip(probability=float(p), shape=[2])
+    if batch: v = shared(v)
+    w = fn.pad(v, shape=[3], fill_value=1.)  # (x, y, 1)
+    w3 = (fn.reshape(w, shape=[3, 1, 1]) * fn.reshape(w, shape=[1, 3, 1])) * fn.reshape(w, shape=[1, 1, 3])
+    return fn.reductions.sum(fn.reshape(w3, shape=[27, 1, 1]) * types.Constant(_WARP_C.astype(np.float32)), axes=0)
 
-# %% ../nbs/02b_translate.ipynb #ce58f83d
+# %% ../nbs/02b_translate.ipynb #ea22600a
 def _sqrt(x): return dmath.sqrt(x) if _is_node(x) else math.sqrt(x)
 def _exp(x): return dmath.exp(x) if _is_node(x) else math.exp(x)
 def _min(a, b): return dmath.min(a, b) if _is_node(a) or _is_node(b) else min(a, b)
@@ -212,7 +248,7 @@ def rrc_gpu_node(in_hw:tuple, # (h, w) of the images it crops
         ty,tx = (h-nh)//2,(w-nw)//2
     return mat3((nw-1)/(w-1), 0, -1 + (2*tx + nw - 1)/(w-1),  0, (nh-1)/(h-1), -1 + (2*ty + nh - 1)/(h-1),  0, 0, 1)
 
-# %% ../nbs/02b_translate.ipynb #5961514a
+# %% ../nbs/02b_translate.ipynb #723966c0
 _BORDERS = {'reflection': 'reflect_101', 'zeros': 'constant', 'border': 'replicate'}
 _INTERP = {'bilinear': types.INTERP_LINEAR, 'nearest': types.INTERP_NN, 'bicubic': types.INTERP_CUBIC}
 
@@ -246,7 +282,7 @@ def _random_offset(extra):
     lo,hi = _min(extra, 0.),_max(extra, -1.)
     return _min(lo + dmath.floor(uniform(0, 1)*(hi - lo + 1)), hi)
 
-# %% ../nbs/02b_translate.ipynb #d0702da0
+# %% ../nbs/02b_translate.ipynb #d33fc7ad
 class ItemStep:
     "fastai's size-setting item transform (`Resize`, `RandomResizedCrop`, `RandomCrop` or `CropPad`) as a DALI decode"
     def __init__(self, tfm, # the fastai transform
@@ -316,7 +352,11 @@ class ItemStep:
         if not isinstance(t, RandomCrop): where = 'centre'
         return f"fn.decoders.image → {where} crop/pad (fn.experimental.warp_perspective, nearest)"
 
-# %% ../nbs/02b_translate.ipynb #340025d1
+# %% ../nbs/02b_translate.ipynb #a4aec64e
+def _to3(m):
+    "A 2×3 affine per-sample DataNode (or a NumPy matrix) as 3×3"
+    return _affine(m) if not _is_node(m) else fn.cat(m, types.Constant(np.array([[0, 0, 1]], np.float32)), axis=0)
+
 _AFFINE = {flip_mat: ('Flip', flip_node), dihedral_mat: ('Dihedral', dihedral_node), rotate_mat: ('Rotate', rotate_node),
            zoom_mat: ('Zoom', zoom_node)}
 
@@ -362,11 +402,17 @@ class GeometryStep:
         if isinstance(t, RandomResizedCropGPU):
             return rrc_gpu_node(in_hw, t.min_scale, t.max_scale, t.ratio, t.valid_scale, self.train)
         if not self.train: return np.eye(3)  # fastai's validation: the identity (a resize when `size` is set)
-        m = np.eye(3)
-        for mk in self.aff: m = matmul(m, mk())
         h,w = in_hw
-        prep = np.array([[1, h/w, 1], [w/h, 1, 1], [1, 1, 1]])  # fastai's `_prepare_mat`
-        m = m*prep if not _is_node(m) else m*types.Constant(prep.astype(np.float32))
+        prep = np.array([[1, h/w, 1], [w/h, 1, 1], [1, 1, 1]])  # fastai's `_prepare_mat`: rotations stay round on rectangles
+        parts = []  # fastai's product f1 @ f2 @ ..., runs of constants multiplied out
+        for m in (mk() for mk in self.aff):
+            if not _is_node(m) and parts and not _is_node(parts[-1]): parts[-1] = parts[-1] @ m
+            else: parts.append(m)
+        if not any(_is_node(m) for m in parts): m = (_affine(parts[0]) if parts else np.eye(3)) * prep
+        else:  # `fn.transforms.combine` applies its first input first: fastai's product, reversed
+            parts = [m if _is_node(m) else types.Constant(m[:2].astype(np.float32)) for m in parts]
+            a = parts[0] if len(parts) == 1 else fn.transforms.combine(*reversed(parts))
+            m = _to3(a if h == w else a * types.Constant(prep[:2].astype(np.float32)))
         for mk in self.coord: m = matmul(mk(), m)
         return m
 
@@ -384,9 +430,9 @@ class ItemFlip(GeometryStep):
         self.mode,self.pad_mode,self.align_corners = 'bilinear','reflection',True
         self.maker = partial(flip_node if isinstance(tfm, FlipItem) else dihedral_node, p=tfm.p)
 
-    def matrix(self, in_hw:tuple): return self.maker()
+    def matrix(self, in_hw:tuple): return _to3(self.maker())
 
-# %% ../nbs/02b_translate.ipynb #f1e5e70e
+# %% ../nbs/02b_translate.ipynb #901abaae
 _DTYPES = {'float32': types.FLOAT, 'float16': types.FLOAT16}
 
 def _stats(v)->tuple|None:
@@ -404,7 +450,7 @@ def _to_chw(images, mean, std, dtype, scale):
 
 def _order(t): return getattr(t, 'order', 0)
 
-# %% ../nbs/02b_translate.ipynb #f7eeae7e
+# %% ../nbs/02b_translate.ipynb #ec7adcd5
 class ImageRecipe:
     "How DALI turns encoded images into the normalized batch fastai sees, for one split (train or valid)"
     def __init__(self, size, # (h, w) of the output images (an int: a square)
@@ -440,8 +486,12 @@ class ImageRecipe:
         return m
 
     def _to_pixels(self, m, in_hw):
+        "`m` from normalized coordinates to pixels: `P_in @ m @ P_out⁻¹`, one contraction (3 operators) per sample"
         ac = self._settings()[2]
-        return matmul(matmul(norm_to_pixels(*in_hw, ac), m), np.linalg.inv(norm_to_pixels(*self.size, ac)))
+        l,r = norm_to_pixels(*in_hw, ac),np.linalg.inv(norm_to_pixels(*self.size, ac))
+        if not _is_node(m): return l @ m @ r
+        basis = np.stack([l[:, [i]] @ r[[j], :] for i in range(3) for j in range(3)])  # l·eᵢ·eⱼᵀ·r
+        return fn.reductions.sum(fn.reshape(m, shape=[9, 1, 1]) * types.Constant(basis.astype(np.float32)), axes=0)
 
     def decode(self, encoded:DataNode, # encoded images
                device_id:int|None=None, # GPU id, or None for the CPU backend
@@ -460,6 +510,7 @@ class ImageRecipe:
 
     def resample(self, images:DataNode, # item images, HWC
                  m, # the normalized map from `_norm_matrix`
+                 m_item=None, # `m` in item pixels, if already built
                 )->DataNode: # images of `self.size`
         "Warp the item images through `m` once, as fastai's `grid_sample` with its `mode` and `pad_mode`"
         if m is None: return images
@@ -471,7 +522,7 @@ class ImageRecipe:
         if mode == 'bilinear' and d > 1:
             ih,iw = math.floor(ih/d),math.floor(iw/d)
             images = _resize(images, (ih, iw))
-        mp = self._to_pixels(m, (ih, iw))
+        mp = m_item if m_item is not None and (ih, iw) == self.item_size else self._to_pixels(m, (ih, iw))
         if not _is_node(mp):
             if (ih, iw) == (oh, ow) and np.allclose(mp, np.eye(3), atol=1e-6): return images
             mp = mp.astype(np.float32).flatten().tolist()
@@ -486,12 +537,12 @@ class ImageRecipe:
         "The whole graph, with the per-sample crop window and matrix that other targets need to follow the images"
         images,window = self.decode(encoded, device_id, hw_decoder_load)
         m = self._norm_matrix()
-        images,scale = self.resample(images, m),255.
+        m_item = None if m is None else self._to_pixels(m, self.item_size)
+        images,scale = self.resample(images, m, m_item),255.
         if self.colour:
             images,scale = fn.cast(images, dtype=types.FLOAT) * (1/255),1.
             for t in self.colour: images = _colour.colour_node(images, t)
-        return dict(images=_to_chw(images, self.mean, self.std, dtype, scale), window=window,
-                    matrix=None if m is None else self._to_pixels(m, self.item_size))
+        return dict(images=_to_chw(images, self.mean, self.std, dtype, scale), window=window, matrix=m_item)
 
     def build(self, encoded:DataNode, # encoded images (from fn.readers.file)
               device_id:int|None=None, # GPU id, or None for the CPU backend
@@ -518,7 +569,7 @@ class ImageRecipe:
         "Rows (fastai transform or keyword, what it became in DALI, or 'runs in fastai')"
         return list(self.rows)
 
-# %% ../nbs/02b_translate.ipynb #83625976
+# %% ../nbs/02b_translate.ipynb #d8608f75
 _ITEM_SIZERS = (RandomResizedCrop, Resize, RandomCrop, CropPad)
 
 def _name(t)->str: return type(t).__name__
@@ -548,7 +599,7 @@ def _encodes_batches(t)->bool:
         except TypeError: pass
     return False
 
-# %% ../nbs/02b_translate.ipynb #6e4dd82f
+# %% ../nbs/02b_translate.ipynb #36ea3be2
 def _translate_items(item_tfms:list, train:bool)->tuple:
     "(ItemStep or None, item flips, rows, leftovers: item transforms that run on batches in fastai)"
     item,flips,rows,left = None,[],[],[]
@@ -575,7 +626,7 @@ def _translate_items(item_tfms:list, train:bool)->tuple:
         raise ValueError("DihedralItem would transpose a rectangular image: use a square size, or Dihedral in batch_tfms")
     return item,flips,rows,left
 
-# %% ../nbs/02b_translate.ipynb #d2462d5d
+# %% ../nbs/02b_translate.ipynb #119ebdda
 def _colour_problem(t)->str|None:
     "Why `dali_fastai.colour` cannot compile the lighting transform `t`; None when it can"
     if _colour is None: return "dali_fastai.colour is not available"
@@ -608,7 +659,7 @@ def _rows(t, piece)->list:
     if isinstance(piece, list): return [(n, 'dali_fastai.colour.colour_node (0..1 floats)') for n in _names(t)]
     return [('Normalize', 'fn.crop_mirror_normalize (mean/std)')]
 
-# %% ../nbs/02b_translate.ipynb #0db332ba
+# %% ../nbs/02b_translate.ipynb #c5ad8bb9
 def _listify(x)->list: return [] if x is None else list(x) if isinstance(x, (list, tuple)) else [x]
 
 def fastai_recipe(item_tfms, # fastai item transforms (one, or a list), e.g. `RandomResizedCrop(224, min_scale=0.35)`
@@ -638,7 +689,7 @@ def fastai_recipe(item_tfms, # fastai item transforms (one, or a list), e.g. `Ra
                                       "RandomResizedCrop(...) to item_tfms")
     return ImageRecipe(size, item, geometry, colour, mean, std, left, rows, train)
 
-# %% ../nbs/02b_translate.ipynb #3daa11cb
+# %% ../nbs/02b_translate.ipynb #b03dd5da
 class KeywordRecipe(ImageRecipe):
     "The keyword dialect as a recipe: the graph `train_pipeline`/`valid_pipeline` build, operator for operator"
     def __init__(self, train:bool, size, crop_pct:float=0.875, area:tuple=(0.08, 1.), ratio:tuple=(3/4, 4/3),

@@ -73,7 +73,7 @@ def fastai_out(img, item_tfms, batch_tfms, train:bool)->np.ndarray:
     for t in sorted(item_tfms, key=lambda t: t.order): x = t(x, split_idx=split)
     x = IntToFloatTensor()(TensorImage(image2tensor(x)[None]))
     for t in sorted(batch_tfms, key=lambda t: t.order): x = t(x, split_idx=split)
-    return np.array(x[0])
+    return x[0].numpy()
 
 
 def assert_matches(folder, img, item_tfms, batch_tfms, train, tol=1.5):
