@@ -8,6 +8,7 @@ from fastai.vision.augment import (Brightness, Contrast, Saturation, Hue, Lighti
                                    _BrightnessLogit, _ContrastLogit, _SaturationLogit)
 from nvidia.dali import fn, pipeline_def
 
+from helpers import needs_gpu
 from dali_fastai.colour import COLOUR_TFMS, change_node, colour_batch, colour_node, colour_unsupported
 
 N = 400        # samples for the statistics
@@ -245,7 +246,7 @@ def test_bad_batch_shape():
 
 # ---------------------------------------------------------------- the GPU backend
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason='GPU backend: needs a GPU')
+@needs_gpu("the GPU backend")
 @pytest.mark.parametrize('name', list(FIXED))
 def test_gpu_matches_fastai(name):
     ims = sample_images()
@@ -254,7 +255,7 @@ def test_gpu_matches_fastai(name):
     assert np.abs(ours - theirs).max() <= 1e-5, f"{name}: max |DALI GPU - fastai| = {np.abs(ours - theirs).max():.2e}"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason='GPU backend: needs a GPU')
+@needs_gpu("the GPU backend")
 def test_gpu_random_draws():
     "fastai's own draws on the GPU backend: reproducible per seed, per sample, some samples left alone"
     ims = np.repeat(sample_images()[:1], 64, axis=0)

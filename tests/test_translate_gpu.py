@@ -16,7 +16,9 @@ from nvidia.dali.pipeline import Pipeline
 
 from dali_fastai.translate import fastai_recipe, keyword_recipe
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason='GPU backend: needs a GPU')
+from helpers import gpu_marks
+
+pytestmark = gpu_marks('the GPU backend')
 
 
 def gradient(h, w):
