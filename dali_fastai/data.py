@@ -242,7 +242,7 @@ class DaliDataLoaders(DataLoaders):
             root = path/train if (path/train).is_dir() else path  # fastai's `from_folder` takes either layout
             files = get_image_files(root)
             _check_files(files, str(root))
-            _check_class_folders(root, ['.'], files)
+            _check_class_folders(path, [train] if root != path else ['.'], files)
             return cls.from_lists(path, files, [parent_label(f) for f in files], valid_pct=valid_pct, seed=seed,
                                   vocab=vocab, **kwargs)
         files = get_image_files(path, folders=[train, valid])

@@ -275,13 +275,13 @@ def derived_seed(seed:int|None, # the user's seed; None: None
 
 class PipelineSource:
     "The DALI iterator behind a loader: built on demand, with seeds of its own for every build; closed, checkpointed, resumed"
-    def __init__(self, make, # `make(seed, order_seed, checkpoint)` → a DALI `Pipeline` whose reader is named 'Reader'
-                 names:list, # its outputs' names
+    def __init__(self, names:list, # the pipeline's outputs' names
                 ):
-        self.make,self.names = make,names
+        self.names = names
         self.it,self.key,self.builds,self.order_seed,self.resume = None,None,0,None,None
 
     def iterator(self, key, # what the pipeline is built for (e.g. recipe and shard): another key rebuilds it
+                 make, # `make(seed, order_seed, checkpoint)` → a DALI `Pipeline` whose reader is named 'Reader' (not kept: no cycle)
                  seed:int|None, # the loader's seed
                  stream:tuple=(), # extra seed stream (a rank's own augmentation)
                  drop_last:bool=False, # DALI's last-batch policy: drop the partial batch (else keep it)
@@ -298,7 +298,7 @@ class PipelineSource:
         checkpoint = None if resume is None else base64.b64decode(resume['dali'])
         policy = LastBatchPolicy.DROP if drop_last else LastBatchPolicy.PARTIAL
         # seeds of its own per build, so a rebuilt loader does not replay the first epoch (or the one `load` left)
-        pipe = self.make(derived_seed(seed, build, *stream), order_seed, checkpoint)
+        pipe = make(derived_seed(seed, build, *stream), order_seed, checkpoint)
         self.it,self.key = DALIGenericIterator([pipe], self.names, reader_name='Reader', last_batch_policy=policy,
                                                auto_reset=True, prepare_first_batch=False),key
         return self.it
@@ -383,7 +383,7 @@ class DaliDataLoader:
         self.drop_last = train if drop_last is None else drop_last
         self.device = as_device(device)
         self.after_batch = _after_batch(self.recipes[0])
-        self._source = PipelineSource(self._pipeline, ['images', 'index'])
+        self._source = PipelineSource(['images', 'index'])
         self._epoch,self._epoch_no,self._taken_at_resume,self._peeks = None,0,0,0
         self.rank,self.world_size = 0,1
 
@@ -440,7 +440,7 @@ class DaliDataLoader:
         "The DALI iterator for the current split and shard (the order is the same on every rank; augmentation differs)"
         stream = () if self.world_size == 1 else (_RANK_STREAM, self.rank)
         # sharded: PARTIAL, and the epoch stops every rank at `len(self)` (DALI's DROP repeats padding samples then)
-        return self._source.iterator((self.split_idx, self.rank, self.world_size), self.seed, stream,
+        return self._source.iterator((self.split_idx, self.rank, self.world_size), self._pipeline, self.seed, stream,
                                      drop_last=self.drop_last and self.world_size == 1)
 
     def close(self):

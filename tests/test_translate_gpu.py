@@ -57,7 +57,8 @@ def test_gpu_matches_cpu_with_fixed_draws(files, item, train):
     r = fastai_recipe(item, FIXED, train=train)
     cpu,gpu = run(r, files, None),run(r, files, 0)
     diff = np.abs(cpu - gpu)*255*0.229  # back to levels of 255 (at most: the smallest std)
-    assert diff.max() <= 6 and diff.mean() < 1, (diff.max(), diff.mean())
+    # nvJPEG and libjpeg differ most at strong edges, and a whole-image decode then resize (rrc-valid) shows it most
+    assert diff.max() <= 12 and diff.mean() < 1, (diff.max(), diff.mean())
 
 
 def test_gpu_random_aug_transforms(files):
