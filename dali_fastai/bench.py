@@ -35,7 +35,7 @@ from fastai.vision.data import ImageDataLoaders
 from fastai.vision.learner import vision_learner
 import dali_fastai
 from .files import cache_dir
-from .datasets import write_once
+from .datasets import write_once, sample_photo
 from .loader import as_device, AUG_OPTIONS
 from .data import DaliDataLoaders
 
@@ -43,21 +43,11 @@ from .data import DaliDataLoaders
 BENCH_PHOTOS = ('astronaut', 'chelsea', 'coffee', 'rocket', 'hubble_deep_field', 'immunohistochemistry', 'retina',
                 'camera', 'grass', 'gravel')
 
-def _photo(name:str)->np.ndarray:
-    "A scikit-image sample photograph as RGB uint8"
-    try: import skimage.data
-    except ImportError as e:
-        raise ImportError("the benchmark set is made from scikit-image's sample photos: pip install scikit-image "
-                          "(or pip install -e '.[dev]')") from e
-    im = getattr(skimage.data, name)()
-    if im.ndim == 2: im = np.stack([im]*3, -1)
-    return np.ascontiguousarray(im[..., :3])
-
 def _bench_image(args):
     "Write one benchmark JPEG: a random crop of a photo, resized, colour-jittered"
     photo_name,dest,seed,min_size,max_size,quality = args
     rng = np.random.default_rng(seed)
-    photo = _photo(photo_name)
+    photo = sample_photo(photo_name, 'the benchmark set')
     w,h = rng.integers(min_size, max_size + 1, size=2)
     ph,pw = photo.shape[:2]
     scale = rng.uniform(0.35, 1.0) * min(pw/w, ph/h)

@@ -15,7 +15,7 @@ from xml.etree import ElementTree as ET
 import numpy as np
 from PIL import Image
 from .files import cache_dir
-from .datasets import FASHION_MNIST_CLASSES, fashion_mnist_arrays, write_once, _npz_digest
+from .datasets import FASHION_MNIST_CLASSES, fashion_mnist_arrays, write_once, sample_photo, _npz_digest
 
 # %% ../nbs/00b_scenes.ipynb #f381a4d6
 SCENE_PHOTOS = ('astronaut', 'chelsea', 'coffee', 'rocket', 'immunohistochemistry', 'hubble_deep_field',
@@ -25,15 +25,9 @@ SCENE_CODES = ('background', *FASHION_MNIST_CLASSES)  # mask value i is SCENE_CO
 # %% ../nbs/00b_scenes.ipynb #285529e9
 @cache
 def _photo(name:str)->np.ndarray:
-    "A scikit-image sample photograph as RGB uint8"
-    try: import skimage.data
-    except ImportError as e:
-        raise ImportError("the embedded scenes are made from scikit-image's sample photos: pip install scikit-image "
-                          "(or pip install 'dali-fastai[detection]')") from e
+    "A scikit-image sample photograph of the scenes, as RGB uint8"
     if name not in SCENE_PHOTOS: raise ValueError(f"unknown scene photo {name!r}: pick from {SCENE_PHOTOS}")
-    im = getattr(skimage.data, name)()
-    if im.ndim == 2: im = np.stack([im]*3, -1)
-    return np.ascontiguousarray(im[..., :3])
+    return sample_photo(name, 'the embedded scenes')
 
 # %% ../nbs/00b_scenes.ipynb #0054c233
 def _iou(a:np.ndarray, b:np.ndarray)->float:
