@@ -7,9 +7,12 @@ from fastai.torch_core import TensorImage
 from fastai.vision.augment import (Brightness, Contrast, Saturation, Hue, LightingTfm, aug_transforms,
                                    _BrightnessLogit, _ContrastLogit, _SaturationLogit)
 from nvidia.dali import fn, pipeline_def
+import nvidia.dali.math as dmath
+from nvidia.dali.pipeline import Pipeline
 
 from helpers import needs_gpu
-from dali_fastai.colour import COLOUR_TFMS, change_node, colour_batch, colour_node, colour_unsupported
+from dali_fastai.colour import COLOUR_TFMS, colour_batch, colour_nodes, colour_unsupported, lighting_draws
+from dali_fastai.draws import HostDraws
 
 N = 400        # samples for the statistics
 SIGMAS = 4.5
@@ -122,7 +125,15 @@ def test_coin_zero_leaves_images_alone(tfm):
     assert np.abs(ours - ims).max() <= 1e-6
 
 
-# ---------------------------------------------------------------- fastai's draws
+# ---------------------------------------------------------------- fastai's draws, through the pipeline's host draws
+
+def changes(tfm):
+    "A node: each sample's `change` of `tfm`'s one function, as fastai draws it (brightness back from its `-logit` term)"
+    draws = HostDraws()
+    k = draws.add(lighting_draws(tfm, Pipeline.current().max_batch_size))
+    term = draws.nodes()[k][0]
+    return 1/(1 + dmath.exp(term)) if isinstance(tfm.fs[0], _BrightnessLogit) else term
+
 
 M = 0.4
 
@@ -131,17 +142,17 @@ def log_uniform_range(m): return np.log(1 - m), -np.log(1 - m)
 
 
 DRAWS = {  # function, the draw's distribution (as a uniform on some scale), its neutral value
-    'brightness': (lambda p, b: Brightness(max_lighting=M, p=p, batch=b).fs[0], (0.5*(1 - M), 0.5*(1 + M)), None, 0.5),
-    'contrast': (lambda p, b: Contrast(max_lighting=M, p=p, batch=b).fs[0], log_uniform_range(M), np.log, 1.),
-    'saturation': (lambda p, b: Saturation(max_lighting=M, p=p, batch=b).fs[0], log_uniform_range(M), np.log, 1.),
-    'hue': (lambda p, b: Hue(max_hue=M, p=p, batch=b).fs[0], log_uniform_range(M), np.log, 0.),
+    'brightness': (lambda p, b: Brightness(max_lighting=M, p=p, batch=b), (0.5*(1 - M), 0.5*(1 + M)), None, 0.5),
+    'contrast': (lambda p, b: Contrast(max_lighting=M, p=p, batch=b), log_uniform_range(M), np.log, 1.),
+    'saturation': (lambda p, b: Saturation(max_lighting=M, p=p, batch=b), log_uniform_range(M), np.log, 1.),
+    'hue': (lambda p, b: Hue(max_hue=M, p=p, batch=b), log_uniform_range(M), np.log, 0.),
 }
 
 
 @pytest.mark.parametrize('name', list(DRAWS))
 def test_draw_distribution(name):
     make, (lo, hi), scale, _ = DRAWS[name]
-    (c,), = run(lambda _: change_node(make(1., False)))
+    (c,), = run(lambda _: changes(make(1., False)))
     assert_uniform(c if scale is None else scale(c), lo, hi, name)
 
 
@@ -149,7 +160,7 @@ def test_draw_distribution(name):
 @pytest.mark.parametrize('name', list(DRAWS))
 def test_probability_per_sample(name, p):
     make, _, _, neutral = DRAWS[name]
-    (c,), = run(lambda _: change_node(make(p, False)))
+    (c,), = run(lambda _: changes(make(p, False)))
     applied = np.abs(c - neutral) > 1e-6
     assert_binomial(applied.sum(), N, p, f"{name} p={p}")
     # independent across samples: neighbours agree as often as two independent coins do
@@ -160,7 +171,7 @@ def test_probability_per_sample(name, p):
 def test_batch_true_draws_once_per_batch(name):
     make, (lo, hi), scale, neutral = DRAWS[name]
     p, n_batches = 0.6, 150
-    outs = run(lambda _: change_node(make(p, True)), bs=4, batches=n_batches)
+    outs = run(lambda _: changes(make(p, True)), bs=4, batches=n_batches)
     c = np.stack([o[0] for o in outs])                       # [batches, bs]
     assert (c == c[:, :1]).all(), f"{name}: samples of one batch differ with batch=True"
     applied = np.abs(c[:, 0] - neutral) > 1e-6
@@ -176,7 +187,7 @@ def test_batch_true_draws_once_per_batch(name):
 def test_probability_through_the_node(tfm):
     "A saturated, off-centre colour shows every change; each sample is changed with probability p, on its own"
     im = np.full((N, 1, 1, 3), [0.8, 0.3, 0.2], dtype=np.float32)
-    (out,), = run(lambda x: colour_node(x, tfm), images=im)
+    (out,), = run(lambda x: colour_nodes(x, [tfm]), images=im)
     changed = np.abs(out - im).reshape(N, -1).max(1) > 1e-5
     assert_binomial(changed.sum(), N, 0.3, f"{type(tfm).__name__}: samples changed")
     assert_binomial((changed[1:] == changed[:-1]).sum(), N - 1, 0.3**2 + 0.7**2, f"{type(tfm).__name__}: neighbours")
@@ -187,7 +198,7 @@ def test_brightness_and_contrast_coins_independent_through_the_node():
     p = 0.5
     lighting = aug_transforms(max_lighting=M, p_lighting=p)[-1]
     im = np.array([[[0.5]*3, [1/(1 + np.exp(-1))]*3]], dtype=np.float32)       # logits 0 and 1
-    (out,), = run(lambda x: colour_node(x, lighting), images=np.repeat(im[None], N, axis=0))
+    (out,), = run(lambda x: colour_nodes(x, [lighting]), images=np.repeat(im[None], N, axis=0))
     l0, l1 = logit(out[:, 0, 0, 0].astype(np.float64)), logit(out[:, 0, 1, 0].astype(np.float64))
     c = l1 - l0                     # (0 + logit(b))·c and (1 + logit(b))·c
     lb = l0/c
@@ -201,11 +212,11 @@ def test_brightness_and_contrast_coins_independent_through_the_node():
 
 def test_new_values_every_batch_and_seed():
     tfm = Brightness(p=1.)
-    a, b = run(lambda _: change_node(tfm.fs[0]), bs=8, batches=2)
+    a, b = run(lambda _: changes(tfm), bs=8, batches=2)
     assert not np.allclose(a[0], b[0]), "the same draws in two batches"
-    again, _ = run(lambda _: change_node(tfm.fs[0]), bs=8, batches=2)
+    again, _ = run(lambda _: changes(tfm), bs=8, batches=2)
     np.testing.assert_array_equal(a[0], again[0])
-    other, = run(lambda _: change_node(tfm.fs[0]), bs=8, seed=1)
+    other, = run(lambda _: changes(tfm), bs=8, seed=1)
     assert not np.allclose(a[0], other[0]), "another seed, the same draws"
 
 

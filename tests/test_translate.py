@@ -283,8 +283,18 @@ def test_item_tfm_on_batches_runs_in_fastai_with_everything_after():
     assert [type(t).__name__ for t in r.fastai_tfms] == ['Darken', 'Flip'] and r.geometry == []
 
 
-def test_draw_lists_run_in_fastai():
+def test_draw_lists_compile_as_fastai_draws_them():
+    "A per-sample draw list: fastai's own functions draw on the host, so sample i gets the list's i-th value, every batch"
     r = fastai_recipe(Resize(32), [Rotate(p=1., draw=[10, 20])], True)
+    assert r.fastai_tfms == []
+    m = matrices(r, bs=2, batches=2)
+    deg = np.degrees(np.arctan2(m[..., 0, 1], m[..., 0, 0]))
+    np.testing.assert_allclose(deg, [[10, 20], [10, 20]], atol=1e-4)
+
+
+def test_draw_functions_run_in_fastai():
+    "A draw that is a function of fastai's batch would see a stand-in with no pixels: left to fastai"
+    r = fastai_recipe(Resize(32), [Rotate(p=1., draw=lambda x: x.new_ones(x.size(0)))], True)
     assert [type(t).__name__ for t in r.fastai_tfms] == ['Rotate']
 
 
