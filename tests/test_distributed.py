@@ -1,6 +1,6 @@
 """DDP sharding (simulated ranks, and a real two-process run on the CPU through fastai's `distrib_ctx`), and resuming
 mid-epoch from a checkpoint."""
-import json, os, socket, subprocess, sys
+import json, os, random, socket, subprocess, sys
 from pathlib import Path
 
 import numpy as np
@@ -15,6 +15,7 @@ from fastai.callback.tracker import SaveModelCallback
 from fastai.distributed import DistributedDL
 from fastai.learner import Learner
 from fastai.losses import CrossEntropyLossFlat
+from fastai.vision.augment import Resize, aug_transforms
 
 from helpers import flat, index_items, index_loader, epoch_items, MAX_INDEX
 import ddp_worker
@@ -176,10 +177,15 @@ def test_resumed_run_sees_the_same_items_and_ends_with_the_same_weights(files, t
     for p,q in zip(a.model.parameters(), c.model.parameters()): assert torch.equal(p, q), "same schedule, same updates"
 
 
-def test_loader_resume_replays_the_same_augmented_pixels(tmp_path):
+AUGMENTATIONS = {'keywords': dict(size=8, p_rotate=0.5, p_vflip=0.5),
+                 # fastai's own draws, made on the host and fed by an external_source: DALI's checkpoint restores its iteration
+                 'fastai tfms': dict(item_tfms=Resize(8), batch_tfms=aug_transforms(p_lighting=0.5, max_warp=0.3))}
+
+@pytest.mark.parametrize('aug', list(AUGMENTATIONS))
+def test_loader_resume_replays_the_same_augmented_pixels(tmp_path, aug):
     "A loader restored from `state_dict` mid-epoch yields the very batches (pixels, not only items) the original would"
-    def make(): return DaliDataLoader(gradient_items(tmp_path, 24), bs=4, size=8, train=True, device='cpu', seed=2,
-                                      p_rotate=0.5, p_vflip=0.5)
+    def make(): return DaliDataLoader(gradient_items(tmp_path, 24), bs=4, train=True, device='cpu', seed=2,
+                                      **AUGMENTATIONS[aug])
     a = make(); whole = [x for _ in range(2) for x,_ in a]
     b = make(); it = iter(b)
     for _ in range(2): next(it)
@@ -188,6 +194,17 @@ def test_loader_resume_replays_the_same_augmented_pixels(tmp_path):
     rest = [x for x,_ in c] + [x for x,_ in c]
     assert len(rest) == len(whole) - 2
     assert all(torch.equal(p, q) for p,q in zip(rest, whole[2:]))
+
+
+def test_fastai_draws_leave_the_users_random_streams_alone(tmp_path):
+    "fastai's draws use fastai's generators, seeded per batch and put back: the training loop's own draws go on unchanged"
+    dl = DaliDataLoader(gradient_items(tmp_path, 24), bs=4, train=True, device='cpu', seed=2, **AUGMENTATIONS['fastai tfms'])
+    torch.manual_seed(0); random.seed(0)
+    expected = torch.rand(3),random.random()
+    torch.manual_seed(0); random.seed(0)
+    for _ in range(2):
+        for _ in dl: pass
+    assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
 
 
 def test_rank_restores_rank_0s_state_into_its_own_shard(files):
