@@ -20,7 +20,7 @@ from nvidia.dali import fn, pipeline_def
 from nvidia.dali.data_node import DataNode
 from nvidia.dali.pipeline import Pipeline
 
-from .draws import HostDraws, stand_in
+from .draws import HostDraws, stand_in, check_draw
 
 # %% ../nbs/01b_colour.ipynb #e24a71d9
 def neg_logit(x:DataNode, # values in [0, 1]
@@ -105,14 +105,6 @@ def _callable_draw(f):
     return (f"draw={f.draw!r} is a function of fastai's batch tensor, which a DALI graph cannot call: pass a number, "
             f"one number per sample, or None (fastai's own random draw), or leave this transform to fastai")
 
-def _check_draw(f, bs:int):
-    "A per-sample `draw` needs a value for every sample of a batch (fastai asserts it, without a word)"
-    d = f.draw
-    if d is None or callable(d) or np.ndim(np.asarray(d.cpu() if hasattr(d, 'cpu') else d, dtype=object)) == 0: return
-    if len(d) < bs: raise ValueError(
-        f"{type(f).__name__.strip('_')}'s per-sample `draw` needs one value per sample: got {len(d)} values for batches "
-        f"of {bs}; pass at least {bs} values, or one number for every sample")
-
 def _term(f)->torch.Tensor:
     "What the graph's formula takes of `f.change`: `-logit(change)` for brightness, the change itself for the others"
     return -logit(f.change) if isinstance(f, _BrightnessLogit) else f.change
@@ -124,7 +116,7 @@ def lighting_draws(tfm, # a fastai lighting transform, e.g. `Brightness()` or `a
     "fastai's own draws for `tfm` (its `before_call`, on a private copy): each function's change per sample, as `colour_node` takes it"
     problem = colour_unsupported(tfm)
     if problem: raise ValueError(f"cannot compile {type(tfm).__name__} into DALI: {problem}")
-    for f in tfm.fs: _check_draw(f, bs)
+    for f in tfm.fs: check_draw(f.draw, bs, f"{type(f).__name__.strip('_').replace('Logit', '')}'s per-sample `draw`")
     t = deepcopy(tfm)
     def make(n):
         t.before_call(stand_in(n, 1, 1), split_idx=0)

@@ -24,7 +24,7 @@ from fastai.vision.augment import (Resize, RandomResizedCrop, RandomCrop, CropPa
                                    RandomResizedCropGPU, LightingTfm, HSVTfm, flip_mat, dihedral_mat, rotate_mat, zoom_mat)
 from fastai.vision.augment import _WarpCoord, find_coeffs
 from .augment import hw
-from .draws import HostDraws, stand_in
+from .draws import HostDraws, stand_in, check_draw
 from .pipeline import (IMAGENET_MEAN, IMAGENET_STD, decode_random_crop, decode_center_crop, augment, normalize,
                                   decoder_device)
 
@@ -225,6 +225,14 @@ class GeometryStep:
             _no_draw_functions(vars(c), 'Warp')
             self.names.append('Warp')
 
+    def check_draws(self, bs:int):
+        "Per-sample `draw` lists must cover a batch of `bs` (fastai's own assert would fire inside DALI's callback)"
+        if not isinstance(self.tfm, AffineCoordTfm): return
+        for f in self.tfm.aff_fs:
+            for k in ('draw', 'draw_x', 'draw_y'): check_draw(f.keywords.get(k), bs, f"{_AFFINE[f.func]}'s `{k}`")
+        for c in self.tfm.coord_fs:
+            for k in ('draw_x', 'draw_y'): check_draw(getattr(c, k), bs, f"Warp's `{k}`")
+
     def out_size(self, in_hw:tuple)->tuple:
         "The size of its output images, given its input's"
         return in_hw if self.size is None else self.size
@@ -359,6 +367,7 @@ class ImageRecipe:
         k,ks,outs = None,[],[]
         if (self.geometry and fixed is None) or self.colour:  # fastai draws: one external_source in the current pipeline
             draws,bs = HostDraws(),Pipeline.current().max_batch_size
+            for s in self.geometry: s.check_draws(bs)
             k = draws.add(self.pixel_maps) if self.geometry and fixed is None else None
             ks = [draws.add(_colour.lighting_draws(t, bs)) for t in self.colour]
             outs = draws.nodes()

@@ -292,6 +292,14 @@ def test_draw_lists_compile_as_fastai_draws_them():
     np.testing.assert_allclose(deg, [[10, 20], [10, 20]], atol=1e-4)
 
 
+def test_draw_list_shorter_than_the_batch_is_a_clear_error():
+    "fastai asserts without a word; here the graph refuses to build, naming the transform and the count"
+    for tfms,what in (([Rotate(p=1., draw=[10, 20])], "Rotate's `draw`"), ([Warp(p=1., draw_x=[0.1])], "Warp's `draw_x`"),
+                      ([Brightness(p=1., draw=[0.4, 0.6])], "Brightness's per-sample `draw`")):
+        with pytest.raises(ValueError, match=f"{what} needs one value per sample: got .* values for batches of 4"):
+            recipe_out(fastai_recipe(Resize(32), tfms, True), [Path('never-read.jpg')]*4)
+
+
 def test_draw_functions_run_in_fastai():
     "A draw that is a function of fastai's batch would see a stand-in with no pixels: left to fastai"
     r = fastai_recipe(Resize(32), [Rotate(p=1., draw=lambda x: x.new_ones(x.size(0)))], True)
