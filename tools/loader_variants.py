@@ -1,0 +1,67 @@
+"""Where the compiled `aug_transforms()` loader spends its time: loader-only throughput of its parts, side by side in one run.
+
+Each row is `DaliDataLoaders.from_folder(..., item_tfms=RandomResizedCrop(size), batch_tfms=[*aug_transforms(**kw), Normalize])`
+with one part of `aug_transforms` left on (or all, or none), beside the default keyword pipeline; `bench.loader_throughput`
+times each (median of passes, warm-up excluded). On the GPU machine:
+
+    python3 tools/loader_variants.py --device gpu
+
+prints img/s and the ratio to the default pipeline for: default keywords, RandomResizedCrop only, flip+rotate, zoom,
+warp, lighting, no lighting, aug_transforms()."""
+import argparse, gc
+from fastai.data.transforms import Normalize
+from fastai.vision.augment import RandomResizedCrop, aug_transforms
+from fastai.vision.core import imagenet_stats
+from dali_fastai.bench import bench_images, loader_throughput
+from dali_fastai.data import DaliDataLoaders
+from dali_fastai.loader import as_device
+
+OFF = dict(do_flip=False, max_rotate=0., max_zoom=1., max_warp=0., max_lighting=0.)
+VARIANTS = {  # name: `aug_transforms` keywords (None: the default keyword pipeline; OFF: no batch augmentation at all)
+    'default keywords': None,
+    'RandomResizedCrop only': OFF,
+    'flip + rotate': {**OFF, 'do_flip': True, 'max_rotate': 10.},
+    'zoom': {**OFF, 'max_zoom': 1.1},
+    'warp': {**OFF, 'max_warp': 0.2},
+    'lighting': {**OFF, 'max_lighting': 0.2},
+    'no lighting': dict(max_lighting=0.),
+    'aug_transforms()': {},
+}
+
+def variant_dls(path, kw:dict|None, size:int, bs:int, device, val_bs:int)->DaliDataLoaders:
+    "The loaders of one variant"
+    tfms = {} if kw is None else dict(item_tfms=RandomResizedCrop(size), batch_tfms=[*aug_transforms(**kw), Normalize.from_stats(*imagenet_stats)])
+    return DaliDataLoaders.from_folder(path, bs=bs, val_bs=val_bs, size=size, device=device, seed=0, check_files=False, **tfms)
+
+def measure(path, size:int=224, bs:int=256, device=None, n_batches:int=30, warmup:int=5, passes:int=3,
+            variants:dict=VARIANTS)->dict: # name: img/s
+    "Loader-only img/s of each variant, one after the other in this process"
+    device,res = as_device(device),{}
+    for name,kw in variants.items():
+        dls = variant_dls(path, kw, size, bs, device, val_bs=bs)
+        res[name] = loader_throughput(dls.train, device, n_batches, warmup, passes)
+        dls.train.close(); dls.valid.close()
+        del dls; gc.collect()
+    return res
+
+def format_table(res:dict)->str:
+    "img/s and the ratio to the default keyword pipeline"
+    base = res.get('default keywords')
+    rows = [f"{'variant':<26}{'img/s':>10}{'vs default':>12}"]
+    rows += [f"{n:<26}{r:>10,.0f}{(f'{r/base:.2f}x' if base else ''):>12}" for n,r in res.items()]
+    return '\n'.join(rows)
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument('path', nargs='?', help="ImageNet-style folder; default: `bench_images(n_per_class)`")
+    p.add_argument('--size', type=int, default=224); p.add_argument('--bs', type=int, default=256)
+    p.add_argument('--device', choices=['cpu', 'gpu'], default=None)
+    p.add_argument('--batches', type=int, default=30); p.add_argument('--warmup', type=int, default=5)
+    p.add_argument('--passes', type=int, default=3); p.add_argument('--n-per-class', type=int, default=100)
+    a = p.parse_args(argv)
+    path = a.path or bench_images(n_per_class=a.n_per_class)
+    res = measure(path, a.size, a.bs, a.device, a.batches, a.warmup, a.passes)
+    print(format_table(res))
+    return res
+
+if __name__ == '__main__': main()
