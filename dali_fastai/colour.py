@@ -144,11 +144,9 @@ def colour_node(images:DataNode, # HWC float32 images in [0, 1], CPU or GPU
 # %% ../nbs/01b_colour.ipynb #acd9011f
 def colour_nodes(images:DataNode, # HWC float32 images in [0, 1]
                  tfms:list, # fastai lighting transforms, applied in this order
-                 draws:HostDraws|None=None, # the pipeline's host draws; None: a `HostDraws` of their own
                 )->DataNode: # HWC float32 in [0, 1]
     "`colour_node` for each of `tfms` in turn, their draws made by fastai on the host"
-    draws = HostDraws() if draws is None else draws
-    bs = Pipeline.current().max_batch_size
+    draws,bs = HostDraws(),Pipeline.current().max_batch_size
     idx = [draws.add(lighting_draws(t, bs)) for t in tfms]
     outs = draws.nodes()
     for t,k in zip(tfms, idx): images = colour_node(images, t, outs[k])

@@ -11,6 +11,7 @@ __all__ = ['fastai_rng', 'batch_seed', 'stand_in', 'check_draw', 'HostDraws']
 import random
 from contextlib import contextmanager
 from typing import Callable
+from fastcore.xtras import is_listy
 import numpy as np
 import torch
 from nvidia.dali import fn
@@ -46,8 +47,7 @@ def check_draw(draw, # fastai's `draw=`: None, a number, a function, or one valu
                what:str, # the transform and argument, for the message, e.g. "Rotate's `draw`"
               ):
     "A per-sample `draw` needs a value for every sample of a batch (fastai uses the first `bs` in every batch)"
-    if draw is None or callable(draw): return
-    if np.ndim(np.asarray(draw.cpu() if hasattr(draw, 'cpu') else draw, dtype=object)) == 0: return
+    if not (is_listy(draw) or getattr(draw, 'ndim', 0) > 0): return  # None, a number, a function: nothing to count
     if len(draw) < bs: raise ValueError(
         f"{what} needs one value per sample: got {len(draw)} values for batches of {bs}; pass at least {bs} values, "
         f"or one number for every sample")

@@ -347,8 +347,9 @@ class ImageRecipe:
         return norm_to_pixels(*in_hw, ac) @ m @ np.linalg.inv(norm_to_pixels(*self.size, ac))
 
     def pixel_maps(self, bs:int)->np.ndarray:
-        "`[bs, 2, 3, 3]`: one draw of the maps from output pixels to item pixels, and to the pixels the resample reads"
+        "One draw of the maps from output pixels to item pixels: `[bs, 3, 3]`; `[bs, 2, 3, 3]` with the map to the area-shrunk pixels the resample reads, when it shrinks first"
         m = self._maps(bs)
+        if self.resample_hw() == self.item_size: return self._to_pixels(m, self.item_size)
         return np.stack([self._to_pixels(m, self.item_size), self._to_pixels(m, self.resample_hw())], 1)
 
     def decode(self, encoded:DataNode, # encoded images
@@ -371,7 +372,7 @@ class ImageRecipe:
             k = draws.add(self.pixel_maps) if self.geometry and fixed is None else None
             ks = [draws.add(_colour.lighting_draws(t, bs)) for t in self.colour]
             outs = draws.nodes()
-        if k is not None: m_item,m_in = outs[k][0],outs[k][1]
+        if k is not None: m_item,m_in = (outs[k],outs[k]) if self.resample_hw() == self.item_size else (outs[k][0],outs[k][1])
         elif fixed is not None: m_item,m_in = self._to_pixels(fixed, self.item_size),self._to_pixels(fixed, self.resample_hw())
         else: m_item = m_in = None
         return m_item,m_in,[outs[j] for j in ks]

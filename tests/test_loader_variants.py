@@ -10,6 +10,7 @@ def test_each_variant_runs_and_the_table_names_them(capsys):
     assert list(res) == list(lv.VARIANTS) and all(r > 0 for r in res.values())
     out = capsys.readouterr().out
     assert all(n in out for n in lv.VARIANTS) and '1.00x' in out  # the default row against itself
+    assert 'host draws of aug_transforms(), bs 8:' in out and 'ms per batch' in out
 
 
 def test_variants_compile_what_they_name():

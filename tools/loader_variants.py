@@ -7,14 +7,18 @@ times each (median of passes, warm-up excluded). On the GPU machine:
     python3 tools/loader_variants.py --device gpu
 
 prints img/s and the ratio to the default pipeline for: default keywords, RandomResizedCrop only, flip+rotate, zoom,
-warp, lighting, no lighting, aug_transforms()."""
-import argparse, gc
+warp, lighting, no lighting, aug_transforms(); and the host's time per batch for drawing `aug_transforms()`' parameters
+(`HostDraws.draw`, which runs in the loader's thread)."""
+import argparse, gc, statistics, time
 from fastai.data.transforms import Normalize
 from fastai.vision.augment import RandomResizedCrop, aug_transforms
 from fastai.vision.core import imagenet_stats
 from dali_fastai.bench import bench_images, loader_throughput
+from dali_fastai.colour import lighting_draws
+from dali_fastai.draws import HostDraws
 from dali_fastai.data import DaliDataLoaders
 from dali_fastai.loader import as_device
+from dali_fastai.translate import fastai_recipe
 
 OFF = dict(do_flip=False, max_rotate=0., max_zoom=1., max_warp=0., max_lighting=0.)
 VARIANTS = {  # name: `aug_transforms` keywords (None: the default keyword pipeline; OFF: no batch augmentation at all)
@@ -44,6 +48,19 @@ def measure(path, size:int=224, bs:int=256, device=None, n_batches:int=30, warmu
         del dls; gc.collect()
     return res
 
+def host_draw_ms(size:int=224, bs:int=256, n:int=50)->float:
+    "Median milliseconds `HostDraws.draw` takes for one batch of `aug_transforms()`' matrices and lighting terms"
+    r = fastai_recipe(RandomResizedCrop(size), aug_transforms(), train=True)
+    draws = HostDraws(seed=0)
+    draws.add(r.pixel_maps)
+    for t in r.colour: draws.add(lighting_draws(t, bs))
+    times = []
+    for i in range(n):
+        start = time.perf_counter()
+        draws.draw(bs, i)
+        times.append(time.perf_counter() - start)
+    return 1e3*statistics.median(times[len(times)//5:])  # the first calls warm torch and fastai up
+
 def format_table(res:dict)->str:
     "img/s and the ratio to the default keyword pipeline"
     base = res.get('default keywords')
@@ -62,6 +79,7 @@ def main(argv=None):
     path = a.path or bench_images(n_per_class=a.n_per_class)
     res = measure(path, a.size, a.bs, a.device, a.batches, a.warmup, a.passes)
     print(format_table(res))
+    print(f"host draws of aug_transforms(), bs {a.bs}: {host_draw_ms(a.size, a.bs):.2f} ms per batch")
     return res
 
 if __name__ == '__main__': main()
