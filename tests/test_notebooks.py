@@ -2,7 +2,7 @@
 
 `make gpu-test` sets DALI_FASTAI_NB_SKIP_FLAGS=notest and selects `-m gpu`: the notebooks with `#| cuda` cells then run
 with those cells, on the GPU machine."""
-import os
+import os, signal
 from pathlib import Path
 
 import pytest
@@ -33,6 +33,8 @@ def test_some_notebooks_have_cuda_cells():
 @pytest.mark.parametrize('nb', PARAMS)
 def test_notebook(nb, capfd):
     # test_nb runs the notebook with nbs/ as the working directory, and writes the failing cell's traceback to stderr
-    ok, secs = nbt.test_nb(nb, skip_flags=SKIP_FLAGS, showerr=True, cell_timeout=CELL_TIMEOUT)
+    handler = signal.getsignal(signal.SIGINT)  # nbdev's test_nb installs its own and leaves it: Ctrl-C tests after it would see it
+    try: ok, secs = nbt.test_nb(nb, skip_flags=SKIP_FLAGS, showerr=True, cell_timeout=CELL_TIMEOUT)
+    finally: signal.signal(signal.SIGINT, handler)
     err = capfd.readouterr().err
     assert ok, f"{nb.relative_to(ROOT)} failed after {secs:.0f}s:\n{err[-6000:]}"
