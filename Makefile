@@ -72,7 +72,9 @@ GPU_ENV := DALI_FASTAI_GPU_TESTS=1 DALI_FASTAI_NB_SKIP_FLAGS=notest
 
 gpu-test: $(if $(PY),,venv)  ## on the GPU machine: every GPU test (`gpu` tests, notebooks' `#| cuda` cells, decoders on the GPU)
 	@echo "== GPU: tests marked gpu, notebooks with their #| cuda cells"
-	$(GPU_ENV) $(GPU_PY) -m pytest -n $(N) -ra -m gpu tests
+	$(GPU_ENV) $(GPU_PY) -m pytest -n $(N) -ra -m 'gpu and not gpu_alone' tests
+	@echo "== GPU: tests that read the whole GPU's free memory, alone"
+	$(GPU_ENV) $(GPU_PY) -m pytest -p no:xdist -ra -m gpu_alone tests
 	@echo "== GPU: unusual images and the default augmentations through the GPU backend"
 	$(GPU_ENV) DALI_FASTAI_TEST_DEVICE=gpu $(GPU_PY) -m pytest -n $(N) -ra tests/test_files.py tests/test_defaults.py
 

@@ -24,7 +24,7 @@ from fastai.vision.augment import (Resize, RandomResizedCrop, RandomCrop, CropPa
                                    RandomResizedCropGPU, LightingTfm, HSVTfm, flip_mat, dihedral_mat, rotate_mat, zoom_mat)
 from fastai.vision.augment import _WarpCoord, find_coeffs
 from .augment import hw
-from .draws import HostDraws, stand_in, check_draw
+from .draws import HostDraws, stand_in, check_draw, independent
 from .pipeline import (IMAGENET_MEAN, IMAGENET_STD, decode_random_crop, decode_center_crop, augment, normalize,
                                   decoder_device)
 
@@ -233,6 +233,13 @@ class GeometryStep:
         for c in self.tfm.coord_fs:
             for k in ('draw_x', 'draw_y'): check_draw(getattr(c, k), bs, f"Warp's `{k}`")
 
+    @property
+    def alone(self)->bool:
+        "Whether fastai draws each sample on its own (`draws.independent`); `RandomResizedCropGPU` draws one window a batch"
+        t = self.tfm
+        if not isinstance(t, AffineCoordTfm): return False
+        return all(independent(f.keywords) for f in t.aff_fs) and all(independent(vars(c)) for c in t.coord_fs)
+
     def out_size(self, in_hw:tuple)->tuple:
         "The size of its output images, given its input's"
         return in_hw if self.size is None else self.size
@@ -269,6 +276,8 @@ class ItemFlip(GeometryStep):
         self.tfm,self.train,self.size,self.names = tfm,train,None,[type(tfm).__name__]
         self.mode,self.pad_mode,self.align_corners = 'bilinear','reflection',True
         self.draw = partial(flip_mat if isinstance(tfm, FlipItem) else dihedral_mat, p=tfm.p)
+
+    alone = True  # a coin per item
 
     def maps(self, in_hw:tuple, bs:int)->torch.Tensor: return _plain(self.draw(stand_in(bs, *in_hw)))
 
@@ -369,8 +378,8 @@ class ImageRecipe:
         if (self.geometry and fixed is None) or self.colour:  # fastai draws: one external_source in the current pipeline
             draws,bs = HostDraws(),Pipeline.current().max_batch_size
             for s in self.geometry: s.check_draws(bs)
-            k = draws.add(self.pixel_maps) if self.geometry and fixed is None else None
-            ks = [draws.add(_colour.lighting_draws(t, bs)) for t in self.colour]
+            k = draws.add(self.pixel_maps, alone=all(s.alone for s in self.geometry)) if self.geometry and fixed is None else None
+            ks = [draws.add(_colour.lighting_draws(t, bs), alone=_colour.lighting_alone(t)) for t in self.colour]
             outs = draws.nodes()
         if k is not None: m_item,m_in = (outs[k],outs[k]) if self.resample_hw() == self.item_size else (outs[k][0],outs[k][1])
         elif fixed is not None: m_item,m_in = self._to_pixels(fixed, self.item_size),self._to_pixels(fixed, self.resample_hw())
@@ -404,9 +413,9 @@ class ImageRecipe:
         images,window = self.decode(encoded, device_id, hw_decoder_load)
         m_item,m_in,terms = self._draws()
         images,scale = self.resample(images, m_in),255.
-        if self.colour:
-            images,scale = fn.cast(images, dtype=types.FLOAT) * (1/255),1.
-            for t,term in zip(self.colour, terms): images = _colour.colour_node(images, t, term)
+        if self.colour:  # floats from here on; the first colour step divides by 255 where it costs nothing
+            images = fn.cast(images, dtype=types.FLOAT)
+            for t,term in zip(self.colour, terms): images,scale = _colour.colour_node(images, t, term, scale),1.
         return dict(images=_to_chw(images, self.mean, self.std, dtype, scale), window=window, matrix=m_item)
 
     def build(self, encoded:DataNode, # encoded images (from fn.readers.file)

@@ -17,6 +17,8 @@ if _workers > 1:
 
 def pytest_configure(config):
     config.addinivalue_line('markers', 'gpu: needs a GPU; `make gpu-test` runs these (helpers.needs_gpu)')
+    config.addinivalue_line('markers', 'gpu_alone: reads the whole GPU\'s free memory, which other processes move: '
+                                       '`make gpu-test` runs these on their own, after the others')
 
 
 @pytest.fixture(scope='session')

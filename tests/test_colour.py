@@ -7,7 +7,6 @@ from fastai.torch_core import TensorImage
 from fastai.vision.augment import (Brightness, Contrast, Saturation, Hue, LightingTfm, aug_transforms,
                                    _BrightnessLogit, _ContrastLogit, _SaturationLogit)
 from nvidia.dali import fn, pipeline_def
-import nvidia.dali.math as dmath
 from nvidia.dali.pipeline import Pipeline
 
 from helpers import needs_gpu
@@ -128,11 +127,12 @@ def test_coin_zero_leaves_images_alone(tfm):
 # ---------------------------------------------------------------- fastai's draws, through the pipeline's host draws
 
 def changes(tfm):
-    "A node: each sample's `change` of `tfm`'s one function, as fastai draws it (brightness back from its `-logit` term)"
+    "A node: each sample's `change` of `tfm`'s one function, as fastai draws it (brightness back from `power_form`'s `E`)"
     draws = HostDraws()
     k = draws.add(lighting_draws(tfm, Pipeline.current().max_batch_size))
-    term = draws.nodes()[k][0]
-    return 1/(1 + dmath.exp(term)) if isinstance(tfm.fs[0], _BrightnessLogit) else term
+    terms = draws.nodes()[k]
+    # brightness alone: E = exp(-logit(change)), so change = 1/(1 + E); contrast alone: A = change; the others: the change
+    return 1/(1 + terms[1]) if isinstance(tfm.fs[0], _BrightnessLogit) else terms[0]
 
 
 M = 0.4
@@ -277,3 +277,12 @@ def test_gpu_random_draws():
     assert 2 <= unchanged.sum() <= 40, f"{unchanged.sum()} of 64 unchanged, expected about 16"
     assert len({float(np.abs(o - ims[0]).mean()) for o in out[~unchanged]}) == (~unchanged).sum()
     assert out.min() >= 0 and out.max() <= 1
+
+
+def test_batch_true_through_the_node_one_change_per_batch():
+    "A `batch=True` draw is tied to its batch: `colour_nodes` draws it a batch at a time, not several batches in one call"
+    im = np.full((4, 1, 1, 3), [0.8, 0.3, 0.2], dtype=np.float32)
+    outs = run(lambda x: colour_nodes(x, [Brightness(max_lighting=0.4, p=1., batch=True)]), images=im, batches=6)
+    per_batch = [o[0][:, 0, 0, 0] for o in outs]
+    assert all(np.allclose(b, b[0]) for b in per_batch), "samples of one batch differ with batch=True"
+    assert len({round(float(b[0]), 6) for b in per_batch}) == 6, "batches share a batch=True change"

@@ -46,10 +46,12 @@ def make_folder(root, n=(4, 3), bad=()):
 
 
 def middle_garbage(f):
-    "A JPEG whose header and end marker are intact but whose entropy-coded data is zeros: passes the header check"
+    "A JPEG whose markers are all intact but whose first Huffman table is bogus: passes the header check, decodes nowhere"
     rgb(40, 40).save(f, quality=90)
-    b = f.read_bytes()
-    f.write_bytes(b[:400] + bytes(300) + b[-2:])
+    b = bytearray(f.read_bytes())
+    dht = b.index(b'\xff\xc4')  # the table's 16 code-length counts follow its marker, length and class byte
+    b[dht + 5:dht + 21] = b'\xff'*16  # 16×255 codes: more than any table holds (libjpeg: "Bogus Huffman table")
+    f.write_bytes(bytes(b))
     return f
 
 

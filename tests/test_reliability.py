@@ -329,6 +329,7 @@ def test_no_growth_over_fits_and_get_preds(files, tmp_path):
 
 
 @needs_gpu('GPU memory')
+@pytest.mark.gpu_alone  # `mem_get_info` is the device's: tests in other xdist workers would move it
 def test_no_gpu_memory_growth(files):
     for c in range(3): _cycle(files, c, device='cuda')
     torch.cuda.synchronize(); gc.collect()

@@ -314,3 +314,23 @@ def test_lighting_translates_or_stays_in_fastai():
         assert [type(t).__name__ for t in r.fastai_tfms] == ['Brightness', 'Normalize']
     else:
         assert r.fastai_tfms == [] and len(r.colour) == 1
+
+
+def batch_matrices(recipe, bs=4, batches=6, seed=0)->list:
+    "The recipe's per-sample matrices (output pixels → item pixels) of `batches` batches of a CPU pipeline"
+    pipe = Pipeline(batch_size=bs, num_threads=1, device_id=None, seed=seed)
+    with pipe: pipe.set_outputs(recipe.matrix())
+    pipe.build()
+    return [np.array(pipe.run()[0].as_array()) for _ in range(batches)]
+
+
+def test_batch_true_geometry_is_drawn_a_batch_at_a_time():
+    "Draws that fastai makes per sample come 8 batches a call; a `batch=True` coin stays one per batch, new each batch"
+    from dali_fastai.translate import GeometryStep
+    from fastai.vision.augment import AffineCoordTfm, RandomResizedCropGPU
+    assert all(GeometryStep(t, True).alone for t in aug_transforms() if isinstance(t, AffineCoordTfm))
+    assert not any(GeometryStep(t, True).alone for t in aug_transforms(batch=True) if isinstance(t, AffineCoordTfm))
+    assert not GeometryStep(Rotate(draw=[10.]*4), True).alone and not GeometryStep(RandomResizedCropGPU(16), True).alone
+    flips = [m[:, 0, 0] < 0 for m in batch_matrices(fastai_recipe(Resize(16), [Flip(p=0.5, batch=True)], train=True))]
+    assert all((f == f[0]).all() for f in flips), "samples of one batch flipped differently with batch=True"
+    assert len({bool(f[0]) for f in flips}) == 2, "every batch flipped alike: the batch coin was drawn once for several"

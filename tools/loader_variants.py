@@ -1,8 +1,8 @@
 """Where the compiled `aug_transforms()` loader spends its time: loader-only throughput of its parts, side by side in one run.
 
 Each row is `DaliDataLoaders.from_folder(..., item_tfms=RandomResizedCrop(size), batch_tfms=[*aug_transforms(**kw), Normalize])`
-with one part of `aug_transforms` left on (or all, or none), beside the default keyword pipeline; `bench.loader_throughput`
-times each (median of passes, warm-up excluded). On the GPU machine:
+with one part of `aug_transforms` left on (or all, or none), beside the default keyword pipeline; `bench.side_by_side`
+times them side by side (one pass of each in turn; median of passes, warm-up excluded). On the GPU machine:
 
     python3 tools/loader_variants.py --device gpu
 
@@ -13,7 +13,7 @@ import argparse, gc, statistics, time
 from fastai.data.transforms import Normalize
 from fastai.vision.augment import RandomResizedCrop, aug_transforms
 from fastai.vision.core import imagenet_stats
-from dali_fastai.bench import bench_images, loader_throughput
+from dali_fastai.bench import bench_images, side_by_side
 from dali_fastai.colour import lighting_draws
 from dali_fastai.draws import HostDraws
 from dali_fastai.data import DaliDataLoaders
@@ -39,13 +39,13 @@ def variant_dls(path, kw:dict|None, size:int, bs:int, device, val_bs:int)->DaliD
 
 def measure(path, size:int=224, bs:int=256, device=None, n_batches:int=30, warmup:int=5, passes:int=3,
             variants:dict=VARIANTS)->dict: # name: img/s
-    "Loader-only img/s of each variant, one after the other in this process"
-    device,res = as_device(device),{}
-    for name,kw in variants.items():
-        dls = variant_dls(path, kw, size, bs, device, val_bs=bs)
-        res[name] = loader_throughput(dls.train, device, n_batches, warmup, passes)
-        dls.train.close(); dls.valid.close()
-        del dls; gc.collect()
+    "Loader-only img/s of each variant's training loader, their passes taken in turn (`bench.side_by_side`)"
+    device = as_device(device)
+    # only the training loaders are timed: the validation ones get batches of 1, which any split fills
+    dls = {name: variant_dls(path, kw, size, bs, device, val_bs=1) for name,kw in variants.items()}
+    res = side_by_side({name: d.train for name,d in dls.items()}, device, n_batches, warmup, passes)
+    for d in dls.values(): d.train.close(); d.valid.close()
+    del dls; gc.collect()
     return res
 
 def host_draw_ms(size:int=224, bs:int=256, n:int=50)->float:
