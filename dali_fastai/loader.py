@@ -28,7 +28,7 @@ from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 from .augment import synthetic_warps
 from .files import check_images, describe_bad, bad_files_message
 from .pipeline import classification_pipeline, augment, IMAGENET_MEAN, IMAGENET_STD
-from .translate import ImageRecipe, keyword_recipe, fastai_recipe
+from .translate import ImageRecipe, keyword_recipe, fastai_recipe, geometry_outputs
 
 # %% ../nbs/03_loader.ipynb #08f11991
 def n_batches(n_items:int, # items in one epoch (one shard)
@@ -135,6 +135,11 @@ class Target:
               ): return type(self)(None if self.values is None else self.values[keep], self.tfms)
     def unlabelled(self): return type(self)(None, self.tfms)
     def decode(self, y, full:bool=True): return self.tfms.decode(y, full=full)
+    def decode_in(self, sample:tuple, # one sample of a batch: the image, then every target
+                  k:int, # this target's place in `sample`
+                  full:bool=True): # decode all the way (class names...)
+        "This target of `sample`, decoded (boxes and points need the image's size, their labels their boxes)"
+        return self.decode(sample[k], full=full)
     def retain(self, y): return y if self.values is None else retain_type(y, self.values)
     @property
     def vocab(self): return getattr(self.tfms, 'vocab', None)
@@ -195,7 +200,7 @@ class ImageItems:
 
     def decode(self, sample:tuple, full:bool=True):
         "An (image, targets...) sample with its targets decoded to what fastai shows (class names, tags, numbers)"
-        return (sample[0], *[t.decode(y, full=full) for t,y in zip(self.targets, sample[1:])])
+        return (sample[0], *[t.decode_in(sample, k, full=full) for k,t in enumerate(self.targets, 1)])
     def decode_label(self, y): return self.targets[0].decode(y)
 
     def subset(self, keep:list, # indices of the items to keep
@@ -383,7 +388,7 @@ class DaliDataLoader:
         self.drop_last = train if drop_last is None else drop_last
         self.device = as_device(device)
         self.after_batch = _after_batch(self.recipes[0])
-        self._source = PipelineSource(['images', 'index'])
+        self._source = PipelineSource(['images', 'index'] + (['window', 'matrix'] if self._geometric else []))
         self._epoch,self._epoch_no,self._taken_at_resume,self._peeks = None,0,0,0
         self.rank,self.world_size = 0,1
 
@@ -425,6 +430,11 @@ class DaliDataLoader:
         main = [n for n in names if n not in _SMALL_OPS]
         return main + ([f'(and {len(names) - len(main)} small operators: arithmetic, constants, random draws)'] if len(main) < len(names) else [])
 
+    @property
+    def _geometric(self)->bool:
+        "Whether a target follows the images' geometry (boxes, points): the pipeline then reports each sample's window and matrix"
+        return any(getattr(t, 'geometric', False) for t in self.items.targets)
+
     def _pipeline(self, seed, order_seed, checkpoint=None):
         "A DALI pipeline reading this loader's items, labelled by their index, through its recipe"
         files,idx = self.items.files,list(range(len(self.items)))
@@ -432,7 +442,8 @@ class DaliDataLoader:
             idx = interleaved_order(len(files), self.bs, self.world_size)
             files = [files[i] for i in idx]
         device_id = dali_device_id(self.device)
-        images = partial(self.recipe.build, device_id=device_id, hw_decoder_load=self.hw_decoder_load, dtype=self.dtype)
+        images = partial(partial(geometry_outputs, self.recipe) if self._geometric else self.recipe.build, device_id=device_id,
+                         hw_decoder_load=self.hw_decoder_load, dtype=self.dtype)
         return classification_pipeline(files, idx, self.bs, images, device_id, self.shuffle, seed, self.num_threads,
                                        self.prefetch, self.rank, self.world_size, order_seed, checkpoint)
 
@@ -548,7 +559,11 @@ class DaliDataLoader:
         x = TensorImage(d['images'])
         if not self.items.labelled: return (x,)
         idx = d['index'].squeeze(-1).long()
-        return (x, *[t.batch(idx) for t in self.items.targets])
+        if not self._geometric: return (x, *[t.batch(idx) for t in self.items.targets])
+        # what boxes and points follow: each sample's source window and output → item map, on the batch's device
+        geo = dict(window=d['window'].to(idx.device), matrix=d['matrix'].to(idx.device), item_hw=self.recipe.item_size,
+                   out_hw=self.recipe.size)
+        return (x, *[t.batch(idx, geo) if getattr(t, 'geometric', False) else t.batch(idx) for t in self.items.targets])
 
     def one_batch(self):
         "A batch from a short-lived copy of this loader, so a running or later epoch is not disturbed"

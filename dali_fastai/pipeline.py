@@ -148,7 +148,7 @@ def on_device(x:DataNode, device_id:int|None)->DataNode:
 def classification_pipeline(files:list, # image paths
                             labels:list, # integer label of each file (a class, or an item index)
                             bs:int, # batch size
-                            images, # `images(encoded)` → the graph's image output (decode, augment, normalize)
+                            images, # `images(encoded)` → the graph's image output (decode, augment, normalize), or a tuple of it and more outputs
                             device_id:int|None=None, # GPU id, or None for the CPU backend
                             shuffle:bool=False, # a new order every epoch
                             seed:int|None=None, # seed of every random operator; None: random
@@ -158,13 +158,15 @@ def classification_pipeline(files:list, # image paths
                             num_shards:int=1, # number of shards
                             order_seed:int|None=None, # seed of the first epoch's order; default: `seed` (DDP ranks share it)
                             checkpoint:bytes|None=None, # a DALI checkpoint of this pipeline to resume from
-                           )->Pipeline: # outputs `images` and `labels` (N,1) int32, on the pipeline's device
+                           )->Pipeline: # outputs `images`, `labels` (N,1) int32 on the pipeline's device, then `images`' other outputs
     "The body every pipeline here shares: (shuffled) reader → `images(encoded)`, and the labels beside them"
     if shuffle: files,labels = shuffled(files, labels, seed if order_seed is None else order_seed)
     pipe = new_pipeline(bs, device_id, num_threads, seed, prefetch, checkpoint)
     with pipe:
         encoded,lbls = read_files(files, labels, shuffle=shuffle, shard_id=shard_id, num_shards=num_shards)
-        pipe.set_outputs(images(encoded), on_device(lbls, device_id))
+        outs = images(encoded)
+        outs = outs if isinstance(outs, tuple) else (outs,)
+        pipe.set_outputs(outs[0], on_device(lbls, device_id), *outs[1:])
     return pipe
 
 # %% ../nbs/02_pipeline.ipynb #73af98f4

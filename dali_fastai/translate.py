@@ -6,7 +6,7 @@ Docs: https://dali-fastai.github.io/dali_fastai/translate.html.md"""
 
 # %% auto #0
 __all__ = ['norm_to_pixels', 'mat3', 'uniform', 'Unsupported', 'ItemStep', 'GeometryStep', 'ItemFlip', 'ImageRecipe',
-           'fastai_recipe', 'KeywordRecipe', 'keyword_recipe']
+           'fastai_recipe', 'KeywordRecipe', 'keyword_recipe', 'geometry_outputs']
 
 # %% ../nbs/02b_translate.ipynb #19572965
 import math
@@ -608,3 +608,19 @@ def keyword_recipe(train:bool, # the training recipe (random crop, augment) or t
                   )->ImageRecipe:
     "The keyword dialect: train = `decode_random_crop` → `augment` → `normalize`; valid = `decode_center_crop` → `normalize`"
     return KeywordRecipe(train, size, crop_pct, area, ratio, mean, std, **aug)
+
+# %% ../nbs/02b_translate.ipynb #eaaf6ad4
+def geometry_outputs(recipe:ImageRecipe, # a recipe made from fastai transforms
+                     encoded:DataNode, # encoded images
+                     device_id:int|None=None, # GPU id, or None for the CPU backend
+                     hw_decoder_load:float=0.65, # GPU only: share of JPEGs given to the hardware JPEG decoder
+                     dtype:str='float32', # 'float32' or 'float16'
+                    )->tuple: # (images, `[4]` source window, `[3, 3]` map from output to item pixels), per sample
+    "The images and the per-sample geometry that boxes and points follow"
+    g = recipe.graph(encoded, device_id, hw_decoder_load, dtype)
+    if g['window'] is None: raise ValueError(
+        "boxes and points follow fastai transforms, and this loader uses the augmentation keywords (which report no geometry): "
+        "pass item_tfms=Resize(...) or RandomResizedCrop(...), and batch_tfms=aug_transforms(...) for augmentation")
+    m = np.eye(3) if g['matrix'] is None else g['matrix']
+    if not _is_node(m): m = fn.constant(fdata=np.asarray(m, np.float32).flatten().tolist(), shape=[3, 3])
+    return g['images'],g['window'],m

@@ -1,0 +1,194 @@
+"""Boxes and points follow every geometric augmentation: images whose objects are solid coloured rectangles at known
+boxes go through `DaliDataLoaders.from_dblock` with each fastai transform alone (p=1) and with `aug_transforms()`; every
+output box must enclose its colour's region tightly, every point must sit on its rectangle's centre, on the CPU backend
+(and on the GPU backend with `DALI_FASTAI_TEST_DEVICE=gpu`, as `make gpu-test` runs it)."""
+import math, os
+import numpy as np
+import pytest
+import torch
+from fastai.vision.all import (DataBlock, ImageBlock, BBoxBlock, BBoxLblBlock, PointBlock, FuncSplitter, Resize,
+                               RandomResizedCrop, Flip, Dihedral, Rotate, Zoom, Warp, aug_transforms, TensorBBox,
+                               TensorMultiCategory, TensorPoint)
+from PIL import Image
+
+from dali_fastai.data import DaliDataLoaders
+
+DEVICE = os.environ.get('DALI_FASTAI_TEST_DEVICE', 'cpu')
+H, W = 96, 128
+COLOURS = {'red': (230, 20, 20), 'green': (20, 220, 20), 'blue': (20, 20, 230)}
+N = 8
+
+
+def scene(i:int)->tuple:
+    "Image `i`: grey, with one to three rectangles of pure colours, 24-32 pixels a side, one in each third of the width"
+    rng = np.random.default_rng(i)
+    img = np.full((H, W, 3), 128, np.uint8)
+    boxes,labels = [],[]
+    for slot,name in zip(rng.permutation(3)[:1 + i % 3], rng.permutation(list(COLOURS))):
+        w,h = rng.integers(24, 33),rng.integers(24, 33)
+        l,t = 8 + slot*40 + rng.integers(0, 36 - w + 1),rng.integers(12, H - 12 - h)
+        img[t:t + h, l:l + w] = COLOURS[name]
+        boxes.append([float(l), float(t), float(l + w), float(t + h)]); labels.append(str(name))
+    return img,boxes,labels
+
+
+@pytest.fixture(scope='module')
+def scenes(tmp_path_factory):
+    root = tmp_path_factory.mktemp('rects')
+    ann = {}
+    for i in range(2*N):
+        img,boxes,labels = scene(i)
+        f = root/f"{'valid' if i >= N else 'train'}_{i:02d}.png"
+        Image.fromarray(img).save(f)
+        ann[f.name] = (boxes, labels)
+    return root,ann
+
+
+def loaders(scenes, item_tfms, batch_tfms, blocks=(ImageBlock, BBoxBlock, BBoxLblBlock), **kw):
+    root,ann = scenes
+    get_y = ([lambda o: ann[o.name][0], lambda o: ann[o.name][1]] if BBoxBlock in blocks else
+             lambda o: [[(b[0] + b[2])/2, (b[1] + b[3])/2] for b in ann[o.name][0][:1]])
+    dblock = DataBlock(blocks=blocks, get_items=lambda p: sorted(p.glob('*.png')), get_y=get_y, n_inp=1,
+                       splitter=FuncSplitter(lambda o: o.name.startswith('valid')), item_tfms=item_tfms, batch_tfms=batch_tfms)
+    return DaliDataLoaders.from_dblock(dblock, root, bs=N, device=DEVICE, seed=0, **kw)
+
+
+def region(img:np.ndarray, colour)->np.ndarray|None:
+    "ltrb pixel edges of the pixels of `img` (HWC, 0..1) nearest `colour`; None when there are too few"
+    close = np.abs(img - np.array(colour)/255).max(-1) < 0.2
+    ys,xs = np.nonzero(close)
+    return None if len(xs) < 12 else np.array([xs.min(), ys.min(), xs.max() + 1, ys.max() + 1], np.float64)
+
+
+def iou(a, b)->float:
+    w,h = min(a[2], b[2]) - max(a[0], b[0]),min(a[3], b[3]) - max(a[1], b[1])
+    inter = max(w, 0)*max(h, 0)
+    return inter/((a[2] - a[0])*(a[3] - a[1]) + (b[2] - b[0])*(b[3] - b[1]) - inter)
+
+
+def check_boxes(dl, min_iou:float, batches:int=1):
+    "Every kept box encloses its colour's region with IoU ≥ `min_iou`; every colour region that is there has its box"
+    vocab,seen = dl.vocab,0
+    for _,(x,boxes,labels) in zip(range(batches), dl):
+        assert isinstance(boxes, TensorBBox) and isinstance(labels, TensorMultiCategory)
+        h,w = x.shape[-2:]
+        for img,bs,ls in zip(x.permute(0, 2, 3, 1).cpu().numpy(), boxes.cpu().numpy(), labels.cpu().numpy()):
+            named = {vocab[l]: (b + 1)*np.array([w, h, w, h])/2 for b,l in zip(bs, ls) if l != 0}
+            for name,colour in COLOURS.items():
+                r = region(img, colour)
+                if r is None or min(r[2] - r[0], r[3] - r[1]) < 8: continue  # cut away, or a sliver at the border
+                assert name in named, f"the {name} rectangle is in the image but its box was dropped"
+                assert iou(named[name], r) >= min_iou, (name, named[name], r, iou(named[name], r))
+                seen += 1
+    assert seen >= N, f"only {seen} boxes checked"
+
+
+CASES = {  # name: (item_tfms, batch_tfms, IoU bound); boxes of 20-40 output pixels, so that a region's whole-pixel edges
+    # (half a pixel off the true edge at worst) keep the IoU of an exact box above 0.9
+    'resize crop': (Resize(96), [], 0.9),
+    'resize pad': (Resize(96, method='pad', pad_mode='zeros'), [], 0.9),
+    'resize squish': (Resize(96, method='squish'), [], 0.9),
+    'random resized crop': (RandomResizedCrop(96, min_scale=0.5), [], 0.9),
+    'flip': (Resize(96), [Flip(p=1.)], 0.9),
+    'dihedral': (Resize(96), [Dihedral(p=1.)], 0.9),
+    'zoom': (Resize(96), [Zoom(min_zoom=1.1, max_zoom=1.4, p=1.)], 0.9),
+    'rotate': (Resize(96), [Rotate(max_deg=25, p=1.)], 0.7),
+    'warp': (Resize(96), [Warp(magnitude=0.3, p=1.)], 0.7),
+    'aug_transforms': (Resize(112), aug_transforms(size=96), 0.7),
+}
+
+
+@pytest.mark.parametrize('case', list(CASES))
+def test_boxes_follow_the_augmentation(scenes, case):
+    item,batch,bound = CASES[case]
+    dls = loaders(scenes, item, batch)
+    check_boxes(dls.train, bound, batches=2)
+    check_boxes(dls.valid, 0.9)
+
+
+def test_points_follow_the_augmentation(scenes):
+    "A point on a rectangle's centre stays on the centre of its moved rectangle, within 1.5 pixels"
+    dls = loaders(scenes, Resize(96, method='squish'), aug_transforms(size=96, max_rotate=20., max_warp=0.),
+                  blocks=(ImageBlock, PointBlock), shuffle=False)  # the batch in the items' order
+    root,ann = scenes
+    x,pts = dls.train.one_batch()
+    assert isinstance(pts, TensorPoint) and pts.shape == (N, 1, 2)
+    h,w = x.shape[-2:]
+    checked = 0
+    for img,p,f in zip(x.permute(0, 2, 3, 1).cpu().numpy(), pts.cpu().numpy(), dls.train.items.files):
+        name = ann[f.name][1][0]
+        close = np.abs(img - np.array(COLOURS[name])/255).max(-1) < 0.2
+        ys,xs = np.nonzero(close)
+        if len(xs) < 100 or xs.min() == 0 or ys.min() == 0 or xs.max() == w - 1 or ys.max() == h - 1: continue  # cut by the border
+        centre = np.array([xs.mean() + 0.5, ys.mean() + 0.5])
+        assert np.abs((p[0] + 1)*np.array([w, h])/2 - centre).max() <= 1.5, (f.name, p, centre)
+        checked += 1
+    assert checked >= N//2
+
+
+def test_no_augmentation_matches_fastai_bb_pad(scenes):
+    "Validation batches (no augmentation): the same padded boxes and #na#-padded labels as fastai's own loaders"
+    root,ann = scenes
+    dls = loaders(scenes, Resize(96, method='squish'), [])
+    dblock = DataBlock(blocks=(ImageBlock, BBoxBlock, BBoxLblBlock), get_items=lambda p: sorted(p.glob('*.png')),
+                       get_y=[lambda o: ann[o.name][0], lambda o: ann[o.name][1]], n_inp=1,
+                       splitter=FuncSplitter(lambda o: o.name.startswith('valid')), item_tfms=Resize(96, method='squish'))
+    theirs = dblock.dataloaders(root, bs=N, num_workers=0, device='cpu')
+    assert dls.vocab == theirs.vocab
+    (_,b,l),(_,fb,fl) = dls.valid.one_batch(),theirs.valid.one_batch()
+    assert torch.equal(l.cpu(), fl.cpu())
+    assert (b.cpu() - fb.cpu()).abs().max() < 1e-5
+
+
+def test_labels_must_match_boxes(scenes):
+    root,ann = scenes
+    bad = {k: (b, l[:-1] if len(l) > 1 else l) for k,(b,l) in ann.items()}
+    first = next(k for k in sorted(ann) if k.startswith('train') and len(ann[k][1]) > 1)
+    dblock = DataBlock(blocks=(ImageBlock, BBoxBlock, BBoxLblBlock), get_items=lambda p: sorted(p.glob('*.png')),
+                       get_y=[lambda o: bad[o.name][0], lambda o: bad[o.name][1]], n_inp=1,
+                       splitter=FuncSplitter(lambda o: o.name.startswith('valid')), item_tfms=Resize(96))
+    n = len(ann[first][1])
+    with pytest.raises(ValueError, match=rf"{first}: {n} boxes but {n - 1} labels"):
+        DaliDataLoaders.from_dblock(dblock, root, bs=N, device='cpu')
+
+
+def test_boxes_need_a_sizing_item_transform(scenes):
+    with pytest.raises(ValueError, match=r'add Resize\(\.\.\.\)'): loaders(scenes, None, None).train.one_batch()
+
+
+def test_show_batch_decodes_as_fastai(scenes):
+    "Decoded samples: the image, the boxes in its pixels, and the boxes with their class names (#na# on padding), as fastai's"
+    root,ann = scenes
+    dls = loaders(scenes, Resize(96, method='squish'), [])
+    dblock = DataBlock(blocks=(ImageBlock, BBoxBlock, BBoxLblBlock), get_items=lambda p: sorted(p.glob('*.png')),
+                       get_y=[lambda o: ann[o.name][0], lambda o: ann[o.name][1]], n_inp=1,
+                       splitter=FuncSplitter(lambda o: o.name.startswith('valid')), item_tfms=Resize(96, method='squish'))
+    theirs = dblock.dataloaders(root, bs=N, num_workers=0, device='cpu')
+    ours,want = dls.valid.show_batch(show=False)[2],theirs.valid.show_batch(show=False)[2]
+    for o,w in zip(ours, want):
+        assert [type(a).__name__ for a in o] == [type(a).__name__ for a in w] == ['TensorImage', 'TensorBBox', 'LabeledBBox']
+        assert (o[1] - w[1]).abs().max() < 1e-3 and o[2].lbl == w[2].lbl
+    import matplotlib; matplotlib.use('Agg')
+    dls.train.show_batch(max_n=4)  # draws
+
+
+def test_a_detector_learns_from_dali_batches(tmp_path):
+    "A torchvision detector in a fastai Learner fits an epoch on the embedded scenes from DALI's batches; export and load"
+    from fastai.learner import load_learner
+    from dali_fastai.annotations import read_coco
+    from dali_fastai.detection import small_detector, detection_learner
+    from dali_fastai.scenes import fashion_scenes
+    p = fashion_scenes(tmp_path/'scenes', n_train=16, n_valid=8, size=96, progress=False)
+    ann = {r.file.name: (r.boxes.tolist(), r.labels) for s in ('train', 'valid')
+           for r in read_coco(p/'annotations'/f'{s}.json', p/'JPEGImages')[0]}
+    dblock = DataBlock(blocks=(ImageBlock, BBoxBlock, BBoxLblBlock), get_items=lambda d: sorted(d.glob('*.jpg')),
+                       get_y=[lambda o: ann[o.name][0], lambda o: ann[o.name][1]], n_inp=1,
+                       splitter=FuncSplitter(lambda o: o.name.startswith('valid')),
+                       item_tfms=Resize(96), batch_tfms=aug_transforms(size=64))
+    dls = DaliDataLoaders.from_dblock(dblock, p/'JPEGImages', bs=8, device='cpu', seed=0)
+    learn = detection_learner(dls, small_detector(len(dls.vocab), (64, 64)))
+    learn.fit(1, 1e-3)
+    assert all(math.isfinite(v) for v in learn.recorder.values[-1])
+    learn.export(tmp_path/'det.pkl')
+    loaded = load_learner(tmp_path/'det.pkl')
+    assert loaded.dls.vocab == dls.vocab and len(loaded.dls.train.items) == 0
