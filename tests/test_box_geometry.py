@@ -174,6 +174,7 @@ def test_show_batch_decodes_as_fastai(scenes):
 
 def test_a_detector_learns_from_dali_batches(tmp_path):
     "A torchvision detector in a fastai Learner fits an epoch on the embedded scenes from DALI's batches; export and load"
+    pytest.importorskip('pycocotools', reason="the detector's mAP metric needs pycocotools (in the project's dev extras)")
     from fastai.learner import load_learner
     from dali_fastai.annotations import read_coco
     from dali_fastai.detection import small_detector, detection_learner
