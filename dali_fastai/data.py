@@ -156,7 +156,7 @@ def _image_path(x, i:int)->Path:
     raise TypeError(f"item {i}: the DataBlock's get_x gave a {type(x).__name__}, not an image file path: DaliDataLoaders reads "
                     "images from files (make get_x return the path)")
 
-# %% ../nbs/03a_data.ipynb #459e03c4
+# %% ../nbs/03a_data.ipynb #993a265f
 def box_items(train:list, # `ImageBoxes` of the training images
               valid:list, # and of the validation images
              )->tuple: # (train, valid) `ImageItems` with a `BoxTarget` and its `BoxLabelTarget`

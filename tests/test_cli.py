@@ -97,3 +97,15 @@ def test_help_says_valid_is_optional(capsys):
     out = ' '.join(capsys.readouterr().out.split())
     assert 'valid/ is optional, but without it pass --valid-pct' in out
     assert '--valid-pct VALID_PCT hold out this share of the images at random' in out
+
+
+def test_train_detection_from_the_command_line(tmp_path, capsys):
+    "`--task detection` trains a detector on a COCO folder through DALI and ends with a COCO mAP line"
+    pytest.importorskip('pycocotools', reason="the detector's mAP metric needs pycocotools (in the project's dev extras)")
+    from dali_fastai.scenes import fashion_scenes
+    scenes = fashion_scenes(tmp_path/'scenes', n_train=16, n_valid=8, size=96, progress=False)
+    cli.main(['train', '--task', 'detection', str(scenes), '--device', 'cpu', '--epochs', '1', '--bs', '8', '--size', '64'])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith('done: 1 epochs of fcos on 16 images (cpu)') and '| mAP ' in last and '| mAP@0.5 ' in last
+    with pytest.raises(SystemExit, match='--valid-pct and --pretrained are for classification'):
+        cli.main(['train', '--task', 'detection', str(scenes), '--valid-pct', '0.2'])
