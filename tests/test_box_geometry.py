@@ -186,10 +186,15 @@ def test_a_detector_learns_from_dali_batches(tmp_path):
                        get_y=[lambda o: ann[o.name][0], lambda o: ann[o.name][1]], n_inp=1,
                        splitter=FuncSplitter(lambda o: o.name.startswith('valid')),
                        item_tfms=Resize(96), batch_tfms=aug_transforms(size=64))
-    dls = DaliDataLoaders.from_dblock(dblock, p/'JPEGImages', bs=8, device='cpu', seed=0)
-    learn = detection_learner(dls, small_detector(len(dls.vocab), (64, 64)))
+    dls = DaliDataLoaders.from_dblock(dblock, p/'JPEGImages', bs=8, val_bs=4, device='cpu', seed=0)
+    learn = detection_learner(dls, small_detector(len(dls.vocab), (64, 64), score_thresh=0.))
     learn.fit(1, 1e-3)
     assert all(math.isfinite(v) for v in learn.recorder.values[-1])
+    boxes,labels,scores = learn.get_preds()[0]  # two validation batches, gathered
+    assert isinstance(boxes, TensorBBox) and boxes.shape[:2] == labels.shape == scores.shape and len(boxes) == 8
     learn.export(tmp_path/'det.pkl')
     loaded = load_learner(tmp_path/'det.pkl')
     assert loaded.dls.vocab == dls.vocab and len(loaded.dls.train.items) == 0
+    (pixels,named),boxes,_ = loaded.predict(p/'JPEGImages'/'valid_0000.jpg')  # decoded as fastai decodes its box batches
+    assert isinstance(pixels, TensorBBox) and type(named).__name__ == 'LabeledBBox'
+    assert len(named.lbl) == boxes.shape[1] and set(named.lbl) <= set(dls.vocab) and (pixels >= 0).all() and (pixels <= 64).all()

@@ -5,7 +5,7 @@ import pytest
 import torch
 from fastai.vision.all import TensorBBox, TensorMultiCategory, bb_pad, TensorImage
 from dali_fastai.detection import (fastai_to_targets, small_detector, DetectionAdapter, DetectionTargets, DetectionMAP,
-                                   detection_loss)
+                                   detection_loss, DetectionLoss, padded_detections, unpadded)
 
 H,W = 48, 64
 
@@ -56,14 +56,21 @@ def test_train_step_and_predictions(batch, arch):
     loss.backward(); opt.step()
     model.eval()
     with torch.no_grad(): out = model(x, bx, lb)
-    assert len(out['detections']) == 3 and all(set(d) == {'boxes', 'scores', 'labels'} for d in out['detections'])
+    d = out['detections']
+    assert set(d) == {'boxes', 'scores', 'labels'} and d['boxes'].shape == (3, model.max_detections, 4)
+    assert len(unpadded(d)) == 3 and all(len(u['labels']) == int((s > 0).sum()) for u,s in zip(unpadded(d), d['scores']))
     assert torch.isfinite(detection_loss(out))
+    boxes,labels,scores = DetectionLoss().activation(out)  # fastai's coordinates, zeros and #na# past the detections
+    real = scores > 0
+    assert isinstance(boxes, TensorBBox) and boxes.abs().max() <= 1 and (boxes[~real] == 0).all() and (labels[~real] == 0).all()
+    assert torch.allclose((boxes[real] + 1) * torch.tensor([W, H, W, H])/2, d['boxes'][real], atol=1e-4)
     model.valid_loss = False
     with torch.no_grad(): out = model(x, bx, lb)
     assert out['losses'] == {} and math.isnan(detection_loss(out).item())
     assert not any(m.training for m in model.modules())
 
-def fake_learn(x, bx, lb, dets): return SimpleNamespace(xb=(x, bx, lb), yb=(bx, lb), pred={'losses': {}, 'detections': dets})
+def fake_learn(x, bx, lb, dets):
+    return SimpleNamespace(xb=(x, bx, lb), yb=(bx, lb), pred={'losses': {}, 'detections': padded_detections(dets, 8)})
 
 def test_map_perfect_and_shifted(batch):
     x,bx,lb,_,_ = batch
