@@ -6,9 +6,10 @@ Docs: https://dali-fastai.github.io/dali_fastai/bench.html.md"""
 
 # %% auto #0
 __all__ = ['BENCH_PHOTOS', 'COMPILED', 'LEFTOVER', 'bench_images', 'side_by_side', 'loader_throughput', 'Throughput',
-           'SyntheticLoader', 'training_throughput', 'pipeline_memory', 'machine_info', 'fastai_aug_tfms',
-           'fastai_default_dls', 'aug_transforms_dls', 'left_to_fastai', 'bench', 'compiled_summary', 'format_results',
-           'save_results', 'plot_results']
+           'SyntheticLoader', 'learner_throughput', 'training_throughput', 'pipeline_memory', 'machine_info',
+           'fastai_aug_tfms', 'fastai_default_dls', 'aug_transforms_dls', 'left_to_fastai', 'bench', 'compiled_summary',
+           'format_results', 'save_results', 'plot_results', 'coco_dblock', 'detection_training_throughput',
+           'detection_bench', 'format_detection']
 
 # %% ../nbs/05_bench.ipynb #77154514
 import gc, json, math, os, platform, statistics, time
@@ -24,20 +25,24 @@ import fastai
 from fastai.callback.core import Callback, CancelFitException, CancelValidException
 from fastai.callback.fp16 import AMPMode
 from fastai.callback.channelslast import to_channelslast  # noqa: F401 (adds Learner.to_channelslast)
+from fastai.data.block import DataBlock
 from fastai.data.core import DataLoaders
-from fastai.data.transforms import Normalize
+from fastai.data.transforms import Normalize, FuncSplitter
 from fastai.learner import Learner
 from fastai.losses import CrossEntropyLossFlat
 from fastai.torch_core import TensorImage, TensorCategory
-from fastai.vision.augment import RandomResizedCrop, RandomErasing, aug_transforms
+from fastai.vision.augment import RandomResizedCrop, RandomErasing, Resize, aug_transforms
 from fastai.vision.core import imagenet_stats
-from fastai.vision.data import ImageDataLoaders
+from fastai.vision.data import ImageDataLoaders, ImageBlock, BBoxBlock, BBoxLblBlock
 from fastai.vision.learner import vision_learner
 import dali_fastai
 from .files import cache_dir
 from .datasets import write_once, sample_photo
 from .loader import as_device, AUG_OPTIONS
 from .data import DaliDataLoaders
+from .annotations import read_coco
+from .detection import small_detector, detection_learner
+from .scenes import fashion_scenes
 
 # %% ../nbs/05_bench.ipynb #ada45b6d
 BENCH_PHOTOS = ('astronaut', 'chelsea', 'coffee', 'rocket', 'hubble_deep_field', 'immunohistochemistry', 'retina',
@@ -156,6 +161,18 @@ class SyntheticLoader:
     def to(self, device): self.device = device; return self
 
 # %% ../nbs/05_bench.ipynb #9f3d0eb5
+def learner_throughput(learn:Learner, # a Learner ready to fit
+                       n_batches:int=30, warmup:int=10, passes:int=3, # as in `loader_throughput`
+                       clock:Callable=time.perf_counter, # seconds, as a float
+                      )->float: # images per second
+    "Median images per second through `learn.fit`, timed by `Throughput` over `n_batches` after `warmup`, each pass"
+    rates = []
+    for _ in range(passes):
+        cb = Throughput(n_batches, warmup, clock)
+        with learn.no_bar(), learn.no_logging(): learn.fit(math.ceil((n_batches + warmup)/len(learn.dls.train)) + 1, cbs=cb)
+        rates.append(cb.rate)
+    return statistics.median(rates)
+
 def training_throughput(dls, # DataLoaders to train from
                         arch:str='resnet18', # torchvision model name
                         c:int=10, # classes
@@ -168,12 +185,7 @@ def training_throughput(dls, # DataLoaders to train from
     model = getattr(torchvision.models, arch)(num_classes=c)
     learn = Learner(dls, model, loss_func=CrossEntropyLossFlat())
     if channels_last or amp: learn.to_channelslast(use_amp=amp is not None, amp_mode=AMPMode(amp or 'fp16'))
-    rates = []
-    for _ in range(passes):
-        cb = Throughput(n_batches, warmup, clock)
-        with learn.no_bar(), learn.no_logging(): learn.fit(math.ceil((n_batches + warmup)/len(dls.train)) + 1, cbs=cb)
-        rates.append(cb.rate)
-    return statistics.median(rates)
+    return learner_throughput(learn, n_batches, warmup, passes, clock)
 
 # %% ../nbs/05_bench.ipynb #79d31232
 def pipeline_memory(dl, # a loader whose pipeline is not built yet
@@ -338,3 +350,62 @@ def plot_results(res:dict):
     fig.suptitle(f"dali_fastai benchmark: {gpu}", y=1.02)
     fig.tight_layout()
     return fig
+
+# %% ../nbs/05_bench.ipynb #697684b6
+def coco_dblock(root:Path, # a COCO folder: `annotations/{train,valid}.json`, images in `JPEGImages/`
+                size:int, # side of the batches' images
+               )->DataBlock:
+    "fastai's detection DataBlock over a COCO folder, with fastai's usual item and batch transforms"
+    ann = {r.file.name: (r.boxes.tolist(), r.labels) for s in ('train', 'valid')
+           for r in read_coco(root/'annotations'/f'{s}.json', root/'JPEGImages')[0]}
+    valid = {r.file.name for r in read_coco(root/'annotations'/'valid.json', root/'JPEGImages')[0]}
+    return DataBlock(blocks=(ImageBlock, BBoxBlock, BBoxLblBlock), get_items=lambda d: sorted(f for f in d.iterdir() if f.name in ann),
+                     get_y=[lambda o: ann[o.name][0], lambda o: ann[o.name][1]], n_inp=1,
+                     splitter=FuncSplitter(lambda o: o.name in valid), item_tfms=Resize(int(size*1.25)),
+                     batch_tfms=[*aug_transforms(size=size), Normalize.from_stats(*imagenet_stats)])
+
+def detection_training_throughput(dls, # detection DataLoaders (DALI's or fastai's)
+                                  size:int, # side of their images
+                                  arch:str='fcos', # `small_detector`'s arch
+                                  n_batches:int=20, warmup:int=5, passes:int=3, # as in `loader_throughput`
+                                  clock:Callable=time.perf_counter, # seconds, as a float
+                                 )->float: # images per second
+    "Median images per second through `Learner.fit` of a `small_detector` fed by `dls`"
+    learn = detection_learner(dls, small_detector(len(dls.vocab), size, arch), metrics=[])
+    return learner_throughput(learn, n_batches, warmup, passes, clock)
+
+# %% ../nbs/05_bench.ipynb #e29b39a1
+def detection_bench(root:str|Path|None=None, # COCO folder (see `coco_dblock`); default: the embedded scenes
+                    size:int=128, bs:int=64, # image side and batch size
+                    device:str|None=None, # 'cpu' or 'gpu'; default: the GPU if visible
+                    n_batches:int=20, warmup:int=3, passes:int=3, # timing, as in `bench`
+                    archs:tuple=('fcos',), # detectors for the training rows (GPU only; () to skip)
+                    workers:int|None=None, # fastai's worker processes; default: one per core
+                   )->dict: # the results
+    "DALI's detection loader and fastai's on one DataBlock: loader img/s, and a detector's training img/s fed by each; print them"
+    device = as_device(device)
+    root = fashion_scenes(progress=False) if root is None else Path(root)
+    dblock = coco_dblock(root, size)
+    res = dict(machine=machine_info(device), settings=dict(root=str(root), size=size, bs=bs, n_batches=n_batches,
+               warmup=warmup, passes=passes, device=str(device)), loader={}, training={})
+    ours = DaliDataLoaders.from_dblock(dblock, root/'JPEGImages', bs=bs, device=device, seed=0)
+    theirs = dblock.dataloaders(root/'JPEGImages', bs=bs, device=device, num_workers=os.cpu_count() if workers is None else workers)
+    for name,d in (('dali_fastai', ours), ('fastai', theirs)):
+        res['loader'][f'{name} detection train'] = loader_throughput(d.train, device, n_batches, warmup, passes)
+    for arch in (archs if device.type == 'cuda' else ()):
+        res['training'][arch] = {name: detection_training_throughput(d, size, arch, n_batches, warmup, passes)
+                                 for name,d in (('dali_fastai', ours), ('fastai', theirs))}
+    print(format_detection(res))
+    return res
+
+def format_detection(res:dict)->str:
+    "The detection results as lines, with DALI's rate over fastai's"
+    s,L = res['settings'],res['loader']
+    lines = [f"detection, {s['size']}px, bs {s['bs']}, median of {s['passes']} passes of {s['n_batches']} batches, device {s['device']}"]
+    lines += [f"{k:<30}{v:>10,.0f} img/s" for k,v in L.items()]
+    lines.append(f"loader: dali_fastai {_ratio(L['dali_fastai detection train'], L['fastai detection train'])} fastai's"
+                 + _target(L['dali_fastai detection train'], L['fastai detection train'], 5))
+    for arch,r in res['training'].items():
+        lines.append(f"training {arch}: dali_fastai {r['dali_fastai']:,.0f} img/s, fastai {r['fastai']:,.0f} img/s "
+                     f"({_ratio(r['dali_fastai'], r['fastai'])})")
+    return '\n'.join(lines)

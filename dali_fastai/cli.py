@@ -22,7 +22,7 @@ from fastai.vision.augment import Resize, aug_transforms
 from fastai.vision.core import imagenet_stats
 from .datasets import fashion_mnist
 from .data import DaliDataLoaders
-from .bench import bench, bench_images
+from .bench import bench, bench_images, detection_bench
 from .detection import small_detector, detection_learner
 from .scenes import fashion_scenes
 
@@ -163,15 +163,17 @@ def parser()->argparse.ArgumentParser:
     t.add_argument('--export', default=None, help="save the trained Learner (Learner.export) to this file")
     b = sub.add_parser('bench', help="measure loader and training throughput side by side", description=bench.__doc__)
     b.add_argument('path', nargs='?', default=None, help="ImageNet-style folder; default: a set made from scikit-image's "
-                   "sample photos (see --n-per-class)")
-    b.add_argument('--size', type=int, default=224, help="image side in pixels (default: 224)")
-    b.add_argument('--bs', type=int, default=256, help="batch size (default: 256)")
+                   "sample photos (see --n-per-class); detection: a COCO folder, default the embedded scenes")
+    b.add_argument('--task', choices=['classification', 'detection'], default='classification',
+                   help="classification, or detection: DALI's detection loader beside fastai's on one DataBlock")
+    b.add_argument('--size', type=int, default=None, help="image side in pixels (default: 224; detection: 128)")
+    b.add_argument('--bs', type=int, default=None, help="batch size (default: 256; detection: 64)")
     b.add_argument('--device', choices=['cpu', 'gpu'], default=None, help="default: the GPU if one is visible")
     b.add_argument('--batches', type=int, default=30, dest='n_batches', help="batches timed a pass (default: 30)")
     b.add_argument('--warmup', type=int, default=5, help="warm-up batches before each pass (default: 5)")
     b.add_argument('--passes', type=int, default=3, help="passes; the median is kept (default: 3)")
-    b.add_argument('--archs', default='resnet18,resnet50', help="models for the training benchmark, comma-separated, "
-                   "'' to skip (GPU only; default: resnet18,resnet50)")
+    b.add_argument('--archs', default=None, help="models for the training benchmark, comma-separated, '' to skip (GPU "
+                   "only; default: resnet18,resnet50; detection: fcos)")
     b.add_argument('--no-fastai', dest='fastai_loader', action='store_false', help="skip fastai's default loader")
     b.add_argument('--n-per-class', type=int, default=500, help="images a class in the generated set (default: 500)")
     b.add_argument('--out', default='bench_results', help="folder for results.json and bench.png (default: bench_results)")
@@ -185,14 +187,20 @@ def _train(task:str, arch:str|None, valid_pct:float|None=None, pretrained:bool=F
                                                              "reads the splits of its annotations and trains from scratch")
     return train_detection(arch=arch or 'fcos', **kwargs)
 
+def _bench(task:str, path, n_per_class:int, size:int|None, bs:int|None, archs:str|None, fastai_loader:bool, out:str, **kwargs):
+    "`bench` or `detection_bench`, each with its own defaults for what the command line leaves unset"
+    detect = task == 'detection'
+    size,bs = size or (128 if detect else 224),bs or (64 if detect else 256)
+    archs = tuple(a for a in (archs if archs is not None else 'fcos' if detect else 'resnet18,resnet50').split(',') if a)
+    if detect: return detection_bench(path, size, bs, archs=archs, **kwargs)
+    return bench(path if path is not None else bench_images(n_per_class=n_per_class), size, bs, archs=archs,
+                 fastai_loader=fastai_loader, out=out, **kwargs)
+
 def main(argv:list|None=None): # arguments; default: `sys.argv[1:]`
     "Entry point of the `dali-fastai` command"
     args = vars(parser().parse_args(argv))
     command = args.pop('command')
     try:
         if command == 'train': _train(**args)
-        if command == 'bench':
-            n = args.pop('n_per_class')
-            if args['path'] is None: args['path'] = bench_images(n_per_class=n)
-            bench(**{**args, 'archs': tuple(a for a in args['archs'].split(',') if a)})
+        if command == 'bench': _bench(**args)
     except (FileNotFoundError, ValueError, ConnectionError) as e: sys.exit(f"dali-fastai {command}: error: {e}")

@@ -170,6 +170,12 @@ def box_items(train:list, # `ImageBoxes` of the training images
         res.append(ImageItems([r.file for r in recs], targets=[boxes, labels]))
     return tuple(res)
 
+def _with_boxes(items:ImageItems)->ImageItems:
+    "`items` less those whose boxes are none (items without box targets are all kept)"
+    boxes = next((t for t in items.targets if isinstance(t, BoxTarget)), None)
+    if boxes is None or boxes.values is None: return items
+    return items.subset([i for i,n in enumerate(boxes.values.counts.tolist()) if n])
+
 # %% ../nbs/03a_data.ipynb #439f1ffd
 def image_file(o, # a path, `PIL.Image`, uint8 numpy array (HWC), uint8 tensor (CHW), or encoded image bytes
                folder:Path, # where to write an in-memory image
@@ -352,10 +358,12 @@ class DaliDataLoaders(DataLoaders):
                     val_bs:int|None=None, # validation batch size; default: `bs`
                     shuffle:bool=True, # shuffle the training set every epoch
                     device:str|torch.device|None=None, # default: the GPU if visible
+                    keep_empty:bool=True, # detection: train on images with no box too (validation keeps every image)
                     **kwargs, # see `from_items`
                    ):
         "DALI loaders for what `dblock.dataloaders(source)` would load: fastai finds the items, splits and labels them; DALI reads, decodes and augments"
         train,valid = dblock_items(dblock, source)
+        if not keep_empty: train = _with_boxes(train)
         # the blocks' own item steps are done here: ToTensor by DALI, PointScaler and BBoxLabeler by the box and point targets
         item_tfms = _user_tfms(dblock.item_tfms, (ToTensor, PointScaler, BBoxLabeler))
         batch_tfms = _user_tfms(dblock.batch_tfms, IntToFloatTensor)

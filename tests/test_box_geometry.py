@@ -198,3 +198,16 @@ def test_a_detector_learns_from_dali_batches(tmp_path):
     (pixels,named),boxes,_ = loaded.predict(p/'JPEGImages'/'valid_0000.jpg')  # decoded as fastai decodes its box batches
     assert isinstance(pixels, TensorBBox) and type(named).__name__ == 'LabeledBBox'
     assert len(named.lbl) == boxes.shape[1] and set(named.lbl) <= set(dls.vocab) and (pixels >= 0).all() and (pixels <= 64).all()
+
+
+def test_images_without_boxes_kept_or_left_out_of_training(scenes):
+    "Images with no box are kept by default (an empty row of padding); keep_empty=False leaves them out of training only"
+    root,ann = scenes
+    empty = {**ann, 'train_00.png': ([], []), 'valid_08.png': ([], [])}
+    dblock = DataBlock(blocks=(ImageBlock, BBoxBlock, BBoxLblBlock), get_items=lambda p: sorted(p.glob('*.png')),
+                       get_y=[lambda o: empty[o.name][0], lambda o: empty[o.name][1]], n_inp=1,
+                       splitter=FuncSplitter(lambda o: o.name.startswith('valid')), item_tfms=Resize(96))
+    kept = DaliDataLoaders.from_dblock(dblock, root, bs=N, device='cpu', shuffle=False)
+    assert len(kept.train.items) == N and (kept.train.one_batch()[2][0] == 0).all()  # no box: labels all #na#
+    left = DaliDataLoaders.from_dblock(dblock, root, bs=N - 1, device='cpu', keep_empty=False)
+    assert 'train_00.png' not in [f.name for f in left.train.items.files] and len(left.valid.items) == N

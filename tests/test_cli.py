@@ -109,3 +109,14 @@ def test_train_detection_from_the_command_line(tmp_path, capsys):
     assert last.startswith('done: 1 epochs of fcos on 16 images (cpu)') and '| mAP ' in last and '| mAP@0.5 ' in last
     with pytest.raises(SystemExit, match='--valid-pct and --pretrained are for classification'):
         cli.main(['train', '--task', 'detection', str(scenes), '--valid-pct', '0.2'])
+
+
+def test_bench_detection_from_the_command_line(tmp_path, capsys, monkeypatch):
+    "`bench --task detection` puts DALI's detection loader beside fastai's on the embedded scenes and prints the ratio"
+    monkeypatch.setenv('XDG_CACHE_HOME', str(tmp_path))  # where the default scenes are written
+    from dali_fastai.scenes import fashion_scenes
+    scenes = fashion_scenes(tmp_path/'scenes', n_train=40, n_valid=4, size=64, progress=False)
+    cli.main(['bench', '--task', 'detection', str(scenes), '--device', 'cpu', '--size', '32', '--bs', '4', '--batches', '1',
+              '--warmup', '1', '--passes', '1'])
+    out = capsys.readouterr().out
+    assert 'dali_fastai detection train' in out and 'fastai detection train' in out and "x fastai's" in out
