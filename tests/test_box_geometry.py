@@ -211,3 +211,26 @@ def test_images_without_boxes_kept_or_left_out_of_training(scenes):
     assert len(kept.train.items) == N and (kept.train.one_batch()[2][0] == 0).all()  # no box: labels all #na#
     left = DaliDataLoaders.from_dblock(dblock, root, bs=N - 1, device='cpu', keep_empty=False)
     assert 'train_00.png' not in [f.name for f in left.train.items.files] and len(left.valid.items) == N
+
+
+def test_several_points_follow_the_augmentation(scenes):
+    "A rectangle's four corners (TensorPoint [bs, 4, 2]) land on its moved rectangle's corners: on its region's rim, within 1.5 px"
+    root,ann = scenes
+    corners = lambda o: [[b[0], b[1]], [b[2], b[1]], [b[0], b[3]], [b[2], b[3]]] if (b := ann[o.name][0][0]) else []
+    dblock = DataBlock(blocks=(ImageBlock, PointBlock), get_items=lambda p: sorted(p.glob('*.png')), get_y=corners, n_inp=1,
+                       splitter=FuncSplitter(lambda o: o.name.startswith('valid')), item_tfms=Resize(96, method='squish'),
+                       batch_tfms=aug_transforms(size=96, max_rotate=20., max_warp=0., min_zoom=0.9, max_zoom=1.))
+    dls = DaliDataLoaders.from_dblock(dblock, root, bs=N, device=DEVICE, seed=0, shuffle=False)
+    x,pts = dls.train.one_batch()
+    assert pts.shape == (N, 4, 2)
+    h,w = x.shape[-2:]
+    checked = 0
+    for img,p,f in zip(x.permute(0, 2, 3, 1).cpu().numpy(), pts.cpu().numpy(), dls.train.items.files):
+        close = np.abs(img - np.array(COLOURS[ann[f.name][1][0]])/255).max(-1) < 0.2
+        ys,xs = np.nonzero(close)
+        if len(xs) < 100 or xs.min() == 0 or ys.min() == 0 or xs.max() == w - 1 or ys.max() == h - 1: continue
+        centres = np.stack([xs + 0.5, ys + 0.5], 1)
+        for q in (p + 1)*np.array([w, h])/2:  # each corner: a region pixel's centre within 1.5 px
+            assert np.sqrt(((centres - q)**2).sum(1)).min() <= 1.5, (f.name, q)
+        checked += 1
+    assert checked >= N//2
