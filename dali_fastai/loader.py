@@ -614,7 +614,9 @@ class DaliDataLoader:
         x1,y1,outs = self.show_batch(b_out, max_n=max_n, show=False)
         res = (x, y, its, outs.itemgot(slice(self.n_inp, None)))
         if not show: return res
-        show_results_grid(*res, ctxs=ctxs, max_n=max_n, **kwargs)
+        # several targets (boxes and their labels): dispatch on the first, whose fastai version draws targets beside
+        # predictions; fastai 2.8's version for a tuple of targets fails (`show_results[object]` is not subscriptable)
+        show_results_grid(x, y[0] if isinstance(y, tuple) else y, *res[2:], ctxs=ctxs, max_n=max_n, **kwargs)
 
     def new(self, **kwargs):
         "A loader like this one, with `kwargs` changed (fastai's `DataLoader.new`)"

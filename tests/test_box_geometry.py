@@ -190,6 +190,8 @@ def test_a_detector_learns_from_dali_batches(tmp_path):
     learn = detection_learner(dls, small_detector(len(dls.vocab), (64, 64), score_thresh=0.))
     learn.fit(1, 1e-3)
     assert all(math.isfinite(v) for v in learn.recorder.values[-1])
+    import matplotlib; matplotlib.use('Agg')
+    learn.show_results(max_n=2)  # targets beside predictions, as fastai draws them
     boxes,labels,scores = learn.get_preds()[0]  # two validation batches, gathered
     assert isinstance(boxes, TensorBBox) and boxes.shape[:2] == labels.shape == scores.shape and len(boxes) == 8
     learn.export(tmp_path/'det.pkl')
