@@ -22,7 +22,7 @@ from fasttransform import Pipeline
 from fastcore.basics import noop
 from fastai.data.transforms import (Categorize, MultiCategorize, RandomSplitter, GrandparentSplitter, RegexLabeller,
                                     ColReader, get_image_files, parent_label, ToTensor, IntToFloatTensor)
-from fastai.vision.core import PILBase, PILImage, TensorBBox, TensorPoint, PointScaler, BBoxLabeler
+from fastai.vision.core import PILBase, PILImage, TensorBBox, TensorPoint, PointScaler, BBoxLabeler, AddMaskCodes
 from fastai.vision.data import bb_pad
 from .files import image_format, DECODABLE
 from .loader import DaliDataLoader, ImageItems, Target, usable_items
@@ -111,6 +111,10 @@ def dblock_items(dblock:DataBlock, # a fastai `DataBlock`: one `ImageBlock` inpu
         raise ValueError(f"DaliDataLoaders.from_dblock reads one image input (blocks=(ImageBlock, ...), n_inp=1); this DataBlock "
                          f"has n_inp={dblock.n_inp} and first block type transforms {list(L(dblock.type_tfms[0]))}: use "
                          "dblock.dataloaders(source) for it")
+    images_out = [k for k,tt in enumerate(dblock.type_tfms[1:], 1) if any(_is_image_type(f) for f in L(tt))]
+    if images_out or any(isinstance(t, AddMaskCodes) for t in L(dblock.item_tfms)): raise ValueError(
+        "this DataBlock has an image-like target (MaskBlock for segmentation, or an image): DaliDataLoaders cannot decode "
+        "and warp masks with their images yet; use dblock.dataloaders(source) for it")
     items = (dblock.get_items or noop)(source)
     splits = (dblock.splitter or RandomSplitter())(items)
     if len(splits) < 2: raise ValueError(f"the DataBlock's splitter gave {len(splits)} split(s): DaliDataLoaders needs a training and a validation set")

@@ -123,3 +123,12 @@ def test_learners_learn_each_target(df, tmp_path):
     preds,targs = learn.get_preds()
     mse,var = ((preds.squeeze(-1) - targs)**2).mean().item(),y.var().item()
     assert mse < 0.5*var, f"regression MSE {mse:.5f}, predicting the mean gives {var:.5f}"
+
+
+def test_mask_targets_are_refused_with_a_clear_error(tmp_path):
+    "Segmentation is not read by DALI yet: a MaskBlock DataBlock gets an error that says so, before any mask is opened"
+    from fastai.vision.all import MaskBlock, FuncSplitter
+    dblock = DataBlock(blocks=(ImageBlock, MaskBlock(codes=['bg', 'fg'])), get_items=lambda d: [d/'a.png', d/'b.png'],
+                       get_y=lambda o: o.parent/'no_such_mask.png', splitter=FuncSplitter(lambda o: o.name == 'b.png'))
+    with pytest.raises(ValueError, match=r'image-like target \(MaskBlock for segmentation.*use dblock.dataloaders'):
+        DaliDataLoaders.from_dblock(dblock, tmp_path, bs=1, device='cpu')
