@@ -238,6 +238,7 @@ def bench(path:str|Path|None=None, # ImageNet-style folder; default: `bench_imag
           n_batches:int=30, warmup:int=5, passes:int=3, # timing: batches a pass, warm-up batches, passes (median)
           archs:tuple=('resnet18', 'resnet50'), # models for the training benchmark (GPU only; () to skip)
           fastai_loader:bool=True, # also time fastai's default loader
+          workers:int|None=None, # fastai's loader: worker processes; default: one per core
           fastai_tfms:bool=True, # also time `fastai_aug_tfms` compiled into DALI, alone and with `RandomErasing` left to fastai
           out:str|Path|None='bench_results', # folder for results.json and bench.png; None: don't write
           **dali_kwargs, # passed to `DaliDataLoaders.from_folder` (augmentation, dtype, num_threads, ...); all but the augmentation keywords to the compiled loaders too
@@ -264,7 +265,7 @@ def bench(path:str|Path|None=None, # ImageNet-style folder; default: `bench_imag
     for name in (COMPILED, LEFTOVER):
         if name in loaders: loaders[name].close()  # their GPU memory back before the training runs
     time_it = lambda dl: loader_throughput(dl, device, n_batches, warmup, passes)
-    fdls = fastai_default_dls(path, size, bs, device) if fastai_loader else None
+    fdls = fastai_default_dls(path, size, bs, device, workers) if fastai_loader else None
     if fdls: res['loader']['fastai default train'] = time_it(fdls.train)
     if device.type == 'cuda':
         synth = SyntheticLoader(bs, size, dls.c, device)

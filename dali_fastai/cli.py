@@ -175,6 +175,7 @@ def parser()->argparse.ArgumentParser:
     b.add_argument('--archs', default=None, help="models for the training benchmark, comma-separated, '' to skip (GPU "
                    "only; default: resnet18,resnet50; detection: fcos)")
     b.add_argument('--no-fastai', dest='fastai_loader', action='store_false', help="skip fastai's default loader")
+    b.add_argument('--workers', type=int, default=None, help="worker processes of fastai's loader (default: one per core)")
     b.add_argument('--n-per-class', type=int, default=500, help="images a class in the generated set (default: 500)")
     b.add_argument('--out', default='bench_results', help="folder for results.json and bench.png (default: bench_results)")
     return p
