@@ -21,7 +21,8 @@ class BatchGeometry:
                  item_hw:tuple, # (h, w) of the item images the map reads
                  out_hw:tuple, # (h, w) of the batch's images
                 ):
-        self.window,self.matrix,self.item_hw,self.out_hw = window.float(),matrix.float(),tuple(item_hw),tuple(out_hw)
+        self.window,self.item_hw,self.out_hw = window.float(),tuple(item_hw),tuple(out_hw)
+        self.inverse = torch.linalg.inv(matrix.float()).transpose(1, 2)  # item → output, transposed for row vectors: once a batch
         self.kept = {}  # per box target: the order and mask of the boxes kept (their labels follow them)
 
     def points(self, pts:torch.Tensor, # [bs, k, 2] `(x, y)` pixel edges on the source images
@@ -30,7 +31,7 @@ class BatchGeometry:
         x0y0 = self.window[:, None, :2]
         scale = pts.new_tensor([self.item_hw[1], self.item_hw[0]]) / (self.window[:, None, 2:] - x0y0)
         c = (pts - x0y0)*scale - 0.5  # item pixel centres
-        h = torch.cat([c, torch.ones_like(c[..., :1])], -1) @ torch.linalg.inv(self.matrix).transpose(1, 2)
+        h = torch.cat([c, torch.ones_like(c[..., :1])], -1) @ self.inverse
         return h[..., :2] / h[..., 2:].clamp_min(1e-8) + 0.5
 
     def scaled(self, pts:torch.Tensor)->torch.Tensor:

@@ -44,6 +44,13 @@ def scenes(tmp_path_factory):
     return root,ann
 
 
+def box_dblock(ann:dict, item_tfms, batch_tfms=None, pattern:str='*.png')->DataBlock:
+    "fastai's detection DataBlock over the files matching `pattern`, boxes and labels from `ann`, `valid_*` files validating"
+    return DataBlock(blocks=(ImageBlock, BBoxBlock, BBoxLblBlock), get_items=lambda p: sorted(p.glob(pattern)),
+                     get_y=[lambda o: ann[o.name][0], lambda o: ann[o.name][1]], n_inp=1,
+                     splitter=FuncSplitter(lambda o: o.name.startswith('valid')), item_tfms=item_tfms, batch_tfms=batch_tfms)
+
+
 def loaders(scenes, item_tfms, batch_tfms, blocks=(ImageBlock, BBoxBlock, BBoxLblBlock), **kw):
     root,ann = scenes
     get_y = ([lambda o: ann[o.name][0], lambda o: ann[o.name][1]] if BBoxBlock in blocks else
@@ -130,9 +137,7 @@ def test_no_augmentation_matches_fastai_bb_pad(scenes):
     "Validation batches (no augmentation): the same padded boxes and #na#-padded labels as fastai's own loaders"
     root,ann = scenes
     dls = loaders(scenes, Resize(96, method='squish'), [])
-    dblock = DataBlock(blocks=(ImageBlock, BBoxBlock, BBoxLblBlock), get_items=lambda p: sorted(p.glob('*.png')),
-                       get_y=[lambda o: ann[o.name][0], lambda o: ann[o.name][1]], n_inp=1,
-                       splitter=FuncSplitter(lambda o: o.name.startswith('valid')), item_tfms=Resize(96, method='squish'))
+    dblock = box_dblock(ann, Resize(96, method='squish'))
     theirs = dblock.dataloaders(root, bs=N, num_workers=0, device='cpu')
     assert dls.vocab == theirs.vocab
     (_,b,l),(_,fb,fl) = dls.valid.one_batch(),theirs.valid.one_batch()
@@ -144,9 +149,7 @@ def test_labels_must_match_boxes(scenes):
     root,ann = scenes
     bad = {k: (b, l[:-1] if len(l) > 1 else l) for k,(b,l) in ann.items()}
     first = next(k for k in sorted(ann) if k.startswith('train') and len(ann[k][1]) > 1)
-    dblock = DataBlock(blocks=(ImageBlock, BBoxBlock, BBoxLblBlock), get_items=lambda p: sorted(p.glob('*.png')),
-                       get_y=[lambda o: bad[o.name][0], lambda o: bad[o.name][1]], n_inp=1,
-                       splitter=FuncSplitter(lambda o: o.name.startswith('valid')), item_tfms=Resize(96))
+    dblock = box_dblock(bad, Resize(96))
     n = len(ann[first][1])
     with pytest.raises(ValueError, match=rf"{first}: {n} boxes but {n - 1} labels"):
         DaliDataLoaders.from_dblock(dblock, root, bs=N, device='cpu')
@@ -160,9 +163,7 @@ def test_show_batch_decodes_as_fastai(scenes):
     "Decoded samples: the image, the boxes in its pixels, and the boxes with their class names (#na# on padding), as fastai's"
     root,ann = scenes
     dls = loaders(scenes, Resize(96, method='squish'), [])
-    dblock = DataBlock(blocks=(ImageBlock, BBoxBlock, BBoxLblBlock), get_items=lambda p: sorted(p.glob('*.png')),
-                       get_y=[lambda o: ann[o.name][0], lambda o: ann[o.name][1]], n_inp=1,
-                       splitter=FuncSplitter(lambda o: o.name.startswith('valid')), item_tfms=Resize(96, method='squish'))
+    dblock = box_dblock(ann, Resize(96, method='squish'))
     theirs = dblock.dataloaders(root, bs=N, num_workers=0, device='cpu')
     ours,want = dls.valid.show_batch(show=False)[2],theirs.valid.show_batch(show=False)[2]
     for o,w in zip(ours, want):
@@ -182,10 +183,7 @@ def test_a_detector_learns_from_dali_batches(tmp_path):
     p = fashion_scenes(tmp_path/'scenes', n_train=16, n_valid=8, size=96, progress=False)
     ann = {r.file.name: (r.boxes.tolist(), r.labels) for s in ('train', 'valid')
            for r in read_coco(p/'annotations'/f'{s}.json', p/'JPEGImages')[0]}
-    dblock = DataBlock(blocks=(ImageBlock, BBoxBlock, BBoxLblBlock), get_items=lambda d: sorted(d.glob('*.jpg')),
-                       get_y=[lambda o: ann[o.name][0], lambda o: ann[o.name][1]], n_inp=1,
-                       splitter=FuncSplitter(lambda o: o.name.startswith('valid')),
-                       item_tfms=Resize(96), batch_tfms=aug_transforms(size=64))
+    dblock = box_dblock(ann, Resize(96), aug_transforms(size=64), pattern='*.jpg')
     dls = DaliDataLoaders.from_dblock(dblock, p/'JPEGImages', bs=8, val_bs=4, device='cpu', seed=0)
     learn = detection_learner(dls, small_detector(len(dls.vocab), (64, 64), score_thresh=0.))
     learn.fit(1, 1e-3)
@@ -206,9 +204,7 @@ def test_images_without_boxes_kept_or_left_out_of_training(scenes):
     "Images with no box are kept by default (an empty row of padding); keep_empty=False leaves them out of training only"
     root,ann = scenes
     empty = {**ann, 'train_00.png': ([], []), 'valid_08.png': ([], [])}
-    dblock = DataBlock(blocks=(ImageBlock, BBoxBlock, BBoxLblBlock), get_items=lambda p: sorted(p.glob('*.png')),
-                       get_y=[lambda o: empty[o.name][0], lambda o: empty[o.name][1]], n_inp=1,
-                       splitter=FuncSplitter(lambda o: o.name.startswith('valid')), item_tfms=Resize(96))
+    dblock = box_dblock(empty, Resize(96))
     kept = DaliDataLoaders.from_dblock(dblock, root, bs=N, device='cpu', shuffle=False)
     assert len(kept.train.items) == N and (kept.train.one_batch()[2][0] == 0).all()  # no box: labels all #na#
     left = DaliDataLoaders.from_dblock(dblock, root, bs=N - 1, device='cpu', keep_empty=False)
