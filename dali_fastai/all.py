@@ -12,14 +12,19 @@ from .augment import synthetic_warps
 from .pipeline import train_pipeline, valid_pipeline, IMAGENET_MEAN, IMAGENET_STD
 from .files import check_images
 from .loader import n_batches, DaliNormalize, Target, ImageItems, DaliDataLoader
+from .targets import BoxTarget, BoxLabelTarget, PointTarget
+from .masks import MaskTarget, prepare_masks
 from .data import DaliDataLoaders
 from .callbacks import UnpackDaliBatch, ClampSchedPos, DaliResetCallback, restart_epoch
 from .distributed import DaliDistributed, DaliCheckpoint
 from .datasets import fashion_mnist, fashion_mnist_df, FASHION_MNIST_CLASSES
+from .scenes import fashion_scenes, SCENE_CODES
+from .detection import small_detector, detection_learner, DetectionMAP
 from .bench import bench, bench_images
 
 # %% ../nbs/07_all.ipynb #f745ce07
 __all__ = ['synthetic_warps', 'train_pipeline', 'valid_pipeline', 'IMAGENET_MEAN', 'IMAGENET_STD', 'check_images',
-           'n_batches', 'DaliNormalize', 'Target', 'ImageItems', 'DaliDataLoader', 'DaliDataLoaders', 'UnpackDaliBatch',
-           'ClampSchedPos', 'DaliResetCallback', 'restart_epoch', 'DaliDistributed', 'DaliCheckpoint', 'fashion_mnist',
-           'fashion_mnist_df', 'FASHION_MNIST_CLASSES', 'bench', 'bench_images']
+           'n_batches', 'DaliNormalize', 'Target', 'ImageItems', 'DaliDataLoader', 'BoxTarget', 'BoxLabelTarget', 'PointTarget',
+           'MaskTarget', 'prepare_masks', 'DaliDataLoaders', 'UnpackDaliBatch', 'ClampSchedPos', 'DaliResetCallback',
+           'restart_epoch', 'DaliDistributed', 'DaliCheckpoint', 'fashion_mnist', 'fashion_mnist_df', 'FASHION_MNIST_CLASSES',
+           'fashion_scenes', 'SCENE_CODES', 'small_detector', 'detection_learner', 'DetectionMAP', 'bench', 'bench_images']

@@ -8,8 +8,8 @@ Docs: https://dali-fastai.github.io/dali_fastai/bench.html.md"""
 __all__ = ['BENCH_PHOTOS', 'COMPILED', 'LEFTOVER', 'bench_images', 'side_by_side', 'loader_throughput', 'Throughput',
            'SyntheticLoader', 'learner_throughput', 'training_throughput', 'pipeline_memory', 'machine_info',
            'fastai_aug_tfms', 'fastai_default_dls', 'aug_transforms_dls', 'left_to_fastai', 'bench', 'compiled_summary',
-           'format_results', 'save_results', 'plot_results', 'coco_dblock', 'detection_training_throughput',
-           'detection_bench', 'format_detection']
+           'format_results', 'save_results', 'plot_results', 'coco_dblock', 'camvid_dblock', 'voc_segmentation_dblock',
+           'task_bench', 'format_task', 'detection_bench', 'segmentation_bench']
 
 # %% ../nbs/05_bench.ipynb #77154514
 import gc, json, math, os, platform, statistics, time
@@ -27,14 +27,14 @@ from fastai.callback.fp16 import AMPMode
 from fastai.callback.channelslast import to_channelslast  # noqa: F401 (adds Learner.to_channelslast)
 from fastai.data.block import DataBlock
 from fastai.data.core import DataLoaders
-from fastai.data.transforms import Normalize, FuncSplitter
+from fastai.data.transforms import Normalize, FuncSplitter, RandomSplitter, get_image_files
 from fastai.learner import Learner
 from fastai.losses import CrossEntropyLossFlat
 from fastai.torch_core import TensorImage, TensorCategory
 from fastai.vision.augment import RandomResizedCrop, RandomErasing, Resize, aug_transforms
 from fastai.vision.core import imagenet_stats
-from fastai.vision.data import ImageDataLoaders, ImageBlock, BBoxBlock, BBoxLblBlock
-from fastai.vision.learner import vision_learner
+from fastai.vision.data import ImageDataLoaders, ImageBlock, BBoxBlock, BBoxLblBlock, MaskBlock
+from fastai.vision.learner import vision_learner, unet_learner
 import dali_fastai
 from .files import cache_dir
 from .datasets import write_once, sample_photo
@@ -43,6 +43,7 @@ from .data import DaliDataLoaders
 from .annotations import read_coco
 from .detection import small_detector, detection_learner
 from .scenes import fashion_scenes
+from .masks import prepare_masks
 
 # %% ../nbs/05_bench.ipynb #ada45b6d
 BENCH_PHOTOS = ('astronaut', 'chelsea', 'coffee', 'rocket', 'hubble_deep_field', 'immunohistochemistry', 'retina',
@@ -365,48 +366,91 @@ def coco_dblock(root:Path, # a COCO folder: `annotations/{train,valid}.json`, im
                      splitter=FuncSplitter(lambda o: o.name in valid), item_tfms=Resize(int(size*1.25)),
                      batch_tfms=[*aug_transforms(size=size), Normalize.from_stats(*imagenet_stats)])
 
-def detection_training_throughput(dls, # detection DataLoaders (DALI's or fastai's)
-                                  size:int, # side of their images
-                                  arch:str='fcos', # `small_detector`'s arch
-                                  n_batches:int=20, warmup:int=5, passes:int=3, # as in `loader_throughput`
-                                  clock:Callable=time.perf_counter, # seconds, as a float
-                                 )->float: # images per second
-    "Median images per second through `Learner.fit` of a `small_detector` fed by `dls`"
-    learn = detection_learner(dls, small_detector(len(dls.vocab), size, arch), metrics=[])
-    return learner_throughput(learn, n_batches, warmup, passes, clock)
+def _seg_tfms(size:int, item_size:int|None)->dict:
+    return dict(item_tfms=Resize(item_size or int(size*1.25)), batch_tfms=[*aug_transforms(size=size), Normalize.from_stats(*imagenet_stats)])
+
+def _codes(root:Path)->list:
+    if not (root/'codes.txt').is_file(): raise FileNotFoundError(f"{root} has no codes.txt: one class name a line, code 0 first")
+    return (root/'codes.txt').read_text().split()
+
+def camvid_dblock(root:Path, # fastai's CamVid layout: `images/`, `labels/<stem>_P.png`, `codes.txt`, optional `valid.txt`
+                  size:int, # side of the batches' images
+                  item_size:int|None=None, # the item `Resize`; default: `size*1.25`
+                  seed:int|None=None, # without `valid.txt`: seed of the random 20% held out
+                 )->DataBlock:
+    "fastai's segmentation DataBlock over a CamVid-style folder (`valid.txt` names the validation images), with fastai's usual transforms"
+    valid = set((root/'valid.txt').read_text().split()) if (root/'valid.txt').is_file() else None
+    return DataBlock(blocks=(ImageBlock, MaskBlock(_codes(root))), get_items=get_image_files,
+                     get_y=lambda o: root/'labels'/f'{o.stem}_P.png',
+                     splitter=FuncSplitter(lambda o: o.name in valid) if valid is not None else RandomSplitter(seed=seed),
+                     **_seg_tfms(size, item_size))
+
+def voc_segmentation_dblock(root:Path, # a Pascal VOC folder: `JPEGImages/`, `SegmentationClass/`, `ImageSets/Segmentation/`, `codes.txt`
+                            size:int, # side of the batches' images
+                            item_size:int|None=None, # the item `Resize`; default: `size*1.25`
+                           )->DataBlock:
+    "fastai's segmentation DataBlock over a Pascal VOC segmentation folder, with fastai's usual item and batch transforms"
+    ids = {s: (root/'ImageSets'/'Segmentation'/f'{s}.txt').read_text().split() for s in ('train', 'val')}
+    codes,valid,stems = _codes(root),set(ids['val']),[i for s in ids.values() for i in s]
+    # fastai's PILMask reads a paletted mask as luminance: both loaders read the grayscale copies `prepare_masks` makes
+    masks = dict(zip(stems, prepare_masks([root/'SegmentationClass'/f'{i}.png' for i in stems], [root/'JPEGImages'/f'{i}.jpg' for i in stems])))
+    return DataBlock(blocks=(ImageBlock, MaskBlock(codes)), get_items=lambda d: [d/f'{i}.jpg' for i in stems],
+                     get_y=lambda o: masks[o.stem], splitter=FuncSplitter(lambda o: o.stem in valid), **_seg_tfms(size, item_size))
 
 # %% ../nbs/05_bench.ipynb #e29b39a1
-def detection_bench(root:str|Path|None=None, # COCO folder (see `coco_dblock`); default: the embedded scenes
-                    size:int=128, bs:int=64, # image side and batch size
-                    device:str|None=None, # 'cpu' or 'gpu'; default: the GPU if visible
-                    n_batches:int=20, warmup:int=3, passes:int=3, # timing, as in `bench`
-                    archs:tuple=('fcos',), # detectors for the training rows (GPU only; () to skip)
-                    workers:int|None=None, # fastai's worker processes; default: one per core
-                   )->dict: # the results
-    "DALI's detection loader and fastai's on one DataBlock: loader img/s, and a detector's training img/s fed by each; print them"
+def task_bench(task:str, # what the loaders are for, in the rows' names ('detection', 'segmentation')
+               dblock:DataBlock, # the DataBlock both loaders are made from
+               source, # what `dblock.get_items` reads
+               learners:dict, # model name: `learner(dls)` → a `Learner` to time training with
+               size:int, bs:int, # image side and batch size (for the record)
+               device:str|None=None, # 'cpu' or 'gpu'; default: the GPU if visible
+               n_batches:int=20, warmup:int=3, passes:int=3, # timing, as in `bench`
+               workers:int|None=None, # fastai's worker processes; default: one per core
+               target:float=5., # the loader speed-up the task aims at
+               **kwargs, # `DaliDataLoaders.from_dblock` options
+              )->dict: # the results
+    "DALI's loader and fastai's on one DataBlock: loader img/s (passes in turn), and training img/s of each model fed by each; print them"
     device = as_device(device)
-    root = fashion_scenes(progress=False) if root is None else Path(root)
-    dblock = coco_dblock(root, size)
-    res = dict(machine=machine_info(device), settings=dict(root=str(root), size=size, bs=bs, n_batches=n_batches,
-               warmup=warmup, passes=passes, device=str(device)), loader={}, training={})
-    ours = DaliDataLoaders.from_dblock(dblock, root/'JPEGImages', bs=bs, device=device, seed=0)
-    theirs = dblock.dataloaders(root/'JPEGImages', bs=bs, device=device, num_workers=os.cpu_count() if workers is None else workers)
-    for name,d in (('dali_fastai', ours), ('fastai', theirs)):
-        res['loader'][f'{name} detection train'] = loader_throughput(d.train, device, n_batches, warmup, passes)
-    for arch in (archs if device.type == 'cuda' else ()):
-        res['training'][arch] = {name: detection_training_throughput(d, size, arch, n_batches, warmup, passes)
-                                 for name,d in (('dali_fastai', ours), ('fastai', theirs))}
-    print(format_detection(res))
+    res = dict(machine=machine_info(device), settings=dict(task=task, source=str(source), size=size, bs=bs, n_batches=n_batches,
+               warmup=warmup, passes=passes, device=str(device), target=target), loader={}, training={})
+    dls = {'dali_fastai': DaliDataLoaders.from_dblock(dblock, source, bs=bs, device=device, seed=0, **kwargs),
+           'fastai': dblock.dataloaders(source, bs=bs, device=device, num_workers=os.cpu_count() if workers is None else workers)}
+    rates = side_by_side({k: d.train for k,d in dls.items()}, device, n_batches, warmup, passes)
+    res['loader'] = {f'{k} {task} train': v for k,v in rates.items()}
+    for name,learner in (learners.items() if device.type == 'cuda' else ()):
+        res['training'][name] = {k: learner_throughput(learner(d), n_batches, warmup, passes) for k,d in dls.items()}
+    print(format_task(res))
     return res
 
-def format_detection(res:dict)->str:
-    "The detection results as lines, with DALI's rate over fastai's"
+def format_task(res:dict)->str:
+    "A task's results as lines, with DALI's rate over fastai's"
     s,L = res['settings'],res['loader']
-    lines = [f"detection, {s['size']}px, bs {s['bs']}, median of {s['passes']} passes of {s['n_batches']} batches, device {s['device']}"]
-    lines += [f"{k:<30}{v:>10,.0f} img/s" for k,v in L.items()]
-    lines.append(f"loader: dali_fastai {_ratio(L['dali_fastai detection train'], L['fastai detection train'])} fastai's"
-                 + _target(L['dali_fastai detection train'], L['fastai detection train'], 5))
+    ours,theirs = L[f"dali_fastai {s['task']} train"],L[f"fastai {s['task']} train"]
+    lines = [f"{s['task']}, {s['size']}px, bs {s['bs']}, median of {s['passes']} passes of {s['n_batches']} batches, device {s['device']}"]
+    lines += [f"{k:<33}{v:>10,.0f} img/s" for k,v in L.items()]
+    lines.append(f"loader: dali_fastai {_ratio(ours, theirs)} fastai's" + _target(ours, theirs, s['target']))
     for arch,r in res['training'].items():
         lines.append(f"training {arch}: dali_fastai {r['dali_fastai']:,.0f} img/s, fastai {r['fastai']:,.0f} img/s "
                      f"({_ratio(r['dali_fastai'], r['fastai'])})")
     return '\n'.join(lines)
+
+# %% ../nbs/05_bench.ipynb #29b1ba3a
+def detection_bench(root:str|Path|None=None, # COCO folder (see `coco_dblock`); default: the embedded scenes
+                    size:int=128, bs:int=64, # image side and batch size
+                    archs:tuple=('fcos',), # detectors for the training rows (`small_detector`; GPU only; () to skip)
+                    **kwargs, # `task_bench`'s timing and device options
+                   )->dict:
+    "`task_bench` for detection: COCO boxes, loaders ≥ 5× fastai's is the target"
+    root = fashion_scenes(progress=False) if root is None else Path(root)
+    learners = {a: (lambda dls, a=a: detection_learner(dls, small_detector(len(dls.vocab), size, a), metrics=[])) for a in archs}
+    return task_bench('detection', coco_dblock(root, size), root/'JPEGImages', learners, size, bs, target=5., **kwargs)
+
+def segmentation_bench(root:str|Path|None=None, # Pascal VOC segmentation folder (see `voc_segmentation_dblock`); default: the embedded scenes
+                       size:int=128, bs:int=64, # image side and batch size
+                       archs:tuple=('resnet34',), # `unet_learner` encoders for the training rows (from scratch; GPU only; () to skip)
+                       **kwargs, # `task_bench`'s timing and device options
+                      )->dict:
+    "`task_bench` for segmentation: masks, loaders ≥ 4× fastai's is the target"
+    root = fashion_scenes(progress=False) if root is None else Path(root)
+    learners = {a: (lambda dls, a=a: unet_learner(dls, getattr(torchvision.models, a), pretrained=False)) for a in archs}
+    return task_bench('segmentation', voc_segmentation_dblock(root, size), root/'JPEGImages', learners, size, bs, target=4., **kwargs)

@@ -17,16 +17,18 @@ from fastcore.basics import ifnone
 from fastcore.foundation import L
 from fastcore.xtras import is_listy
 from fastai.data.block import CategoryBlock, MultiCategoryBlock, RegressionBlock, DataBlock, TransformBlock
+from fastai.vision.data import ImageBlock, MaskBlock
 from fastai.data.core import DataLoaders, TfmdLists
 from fasttransform import Pipeline
 from fastcore.basics import noop
 from fastai.data.transforms import (Categorize, MultiCategorize, RandomSplitter, GrandparentSplitter, RegexLabeller,
                                     ColReader, get_image_files, parent_label, ToTensor, IntToFloatTensor)
-from fastai.vision.core import PILBase, PILImage, TensorBBox, TensorPoint, PointScaler, BBoxLabeler, AddMaskCodes
+from fastai.vision.core import PILBase, PILImage, PILMask, TensorBBox, TensorPoint, PointScaler, BBoxLabeler, AddMaskCodes
 from fastai.vision.data import bb_pad
 from .files import image_format, DECODABLE
 from .loader import DaliDataLoader, ImageItems, Target, usable_items
 from .targets import Ragged, BoxTarget, BoxLabelTarget, PointTarget
+from .masks import MaskTarget
 from .annotations import read_coco, read_voc
 
 # %% ../nbs/03a_data.ipynb #e9fc36cd
@@ -103,32 +105,60 @@ def _user_tfms(tfms, default)->list:
     "A DataBlock's item or batch transforms less the block default DALI does itself (`ToTensor`, `IntToFloatTensor`)"
     return [t for t in L(tfms) if not (t is default or isinstance(t, default))]
 
+def _is_mask_type(f)->bool:
+    "Whether `f` is a mask block's type transform (`PILMask.create`: fastai's `OpenMask` transform, or a subclass's `create`)"
+    owner = getattr(f, '__self__', None)
+    return f is PILMask.create or (isinstance(owner, type) and issubclass(owner, PILMask))
+
+def _target_kinds(dblock:DataBlock)->list:
+    "'mask', or 'value' (anything fastai encodes without opening an image), for each target block; raise for other image targets"
+    kinds = ['mask' if any(_is_mask_type(f) for f in L(tt)) else 'image' if any(_is_image_type(f) for f in L(tt)) else 'value'
+             for tt in dblock.type_tfms[1:]]
+    if 'image' in kinds: raise ValueError(
+        "this DataBlock has an image target (an ImageBlock after the input: image to image), which DaliDataLoaders does "
+        "not decode; use dblock.dataloaders(source) for it (masks, MaskBlock, are supported)")
+    return kinds
+
 def dblock_items(dblock:DataBlock, # a fastai `DataBlock`: one `ImageBlock` input, then any targets
                  source, # what its `get_items` reads
+                 void_code:int|None=None, # masks: the value padding takes, for losses to ignore (see `MaskTarget`)
+                 mask_colours:dict|None=None, # RGB-coded masks: `{(r, g, b): code}`
                 )->tuple: # (train, valid) `ImageItems`
     "The files and targets `dblock.datasets(source)` would give, without opening an image: fastai's getters, splitter and type transforms"
     if dblock.n_inp != 1 or not any(_is_image_type(f) for f in L(dblock.type_tfms[0])):
         raise ValueError(f"DaliDataLoaders.from_dblock reads one image input (blocks=(ImageBlock, ...), n_inp=1); this DataBlock "
                          f"has n_inp={dblock.n_inp} and first block type transforms {list(L(dblock.type_tfms[0]))}: use "
                          "dblock.dataloaders(source) for it")
-    images_out = [k for k,tt in enumerate(dblock.type_tfms[1:], 1) if any(_is_image_type(f) for f in L(tt))]
-    if images_out or any(isinstance(t, AddMaskCodes) for t in L(dblock.item_tfms)): raise ValueError(
-        "this DataBlock has an image-like target (MaskBlock for segmentation, or an image): DaliDataLoaders cannot decode "
-        "and warp masks with their images yet; use dblock.dataloaders(source) for it")
+    kinds = _target_kinds(dblock)
     items = (dblock.get_items or noop)(source)
     splits = (dblock.splitter or RandomSplitter())(items)
     if len(splits) < 2: raise ValueError(f"the DataBlock's splitter gave {len(splits)} split(s): DaliDataLoaders needs a training and a validation set")
     tfms = dblock._combine_type_tfms()
-    get_x = Pipeline(list(tfms[0])[:len(tfms[0]) - len(L(dblock.type_tfms[0]))])
-    tls = [TfmdLists(items, t, splits=splits) for t in tfms[1:]]  # set up on the training split, as fastai does
+    getters = [Pipeline(list(t)[:len(t) - len(L(tt))]) for t,tt in zip(tfms, dblock.type_tfms)]  # what comes before the type transforms
+    values = [k for k,kind in enumerate(kinds, 1) if kind == 'value']
+    tls = [TfmdLists(items, tfms[k], splits=splits) for k in values]  # set up on the training split, as fastai does
     # a `Target` keeps the type transforms (they encode raw targets and decode batches), not the getters before them
-    types = [Pipeline(tl.tfms.fs[-len(L(tt)):]) for tl,tt in zip(tls, dblock.type_tfms[1:])]
+    types = [Pipeline(tl.tfms.fs[-len(L(dblock.type_tfms[k])):]) for tl,k in zip(tls, values)]
+    codes = next((t.codes for t in L(dblock.item_tfms) if isinstance(t, AddMaskCodes)), None)
+    files = [[_image_path(getters[0](_row(items, j)), j) for j in split] for split in splits[:2]]
+    masks = {k: _mask_targets([[_image_path(getters[k](_row(items, j)), j, 'get_y') for j in split] for split in splits[:2]],
+                              files, codes, void_code, mask_colours) for k,kind in enumerate(kinds, 1) if kind == 'mask'}
     res = []
     for i,split in enumerate(splits[:2]):
-        files = [_image_path(get_x(_row(items, j)), j) for j in split]
         subs = [tl.subset(i) for tl in tls]
-        res.append(ImageItems(files, targets=_block_targets([[s[j] for j in range(len(s))] for s in subs], types, files)))
+        targets = dict(zip(values, _block_targets([[s[j] for j in range(len(s))] for s in subs], types, files[i])))
+        targets.update({k: m[i] for k,m in masks.items()})
+        res.append(ImageItems(files[i], targets=[targets[k] for k in sorted(targets)]))
     return tuple(res)
+
+def _mask_targets(masks:list, # per split, each item's mask file
+                  files:list, # per split, the images
+                  codes, void_code, colours, # see `MaskTarget`
+                 )->list: # a `MaskTarget` per split
+    "The splits' mask targets, every mask checked in one `prepare_masks` call: one error names all bad masks"
+    both = MaskTarget.from_files([m for ms in masks for m in ms], [f for fs in files for f in fs], codes, void_code, colours)
+    n = len(masks[0])
+    return [both.subset(range(n)),both.subset(range(n, len(both.values)))]
 
 def _block_targets(values:list, # per block, the encoded target of each item
                    types:list, # per block, the type transforms that encoded them
@@ -155,10 +185,10 @@ def _row(items, i):
     "Item `i` of what `get_items` returned (a row of a DataFrame, or a list's element)"
     return items.iloc[i] if hasattr(items, 'iloc') else items[i]
 
-def _image_path(x, i:int)->Path:
+def _image_path(x, i:int, getter:str='get_x')->Path:
     if isinstance(x, (str, Path)): return Path(x)
-    raise TypeError(f"item {i}: the DataBlock's get_x gave a {type(x).__name__}, not an image file path: DaliDataLoaders reads "
-                    "images from files (make get_x return the path)")
+    raise TypeError(f"item {i}: the DataBlock's {getter} gave a {type(x).__name__}, not an image file path: DaliDataLoaders reads "
+                    f"images and masks from files (make {getter} return the path)")
 
 # %% ../nbs/03a_data.ipynb #993a265f
 def box_items(train:list, # `ImageBoxes` of the training images
@@ -363,17 +393,37 @@ class DaliDataLoaders(DataLoaders):
                     shuffle:bool=True, # shuffle the training set every epoch
                     device:str|torch.device|None=None, # default: the GPU if visible
                     keep_empty:bool=True, # detection: train on images with no box too (validation keeps every image)
+                    void_code:int|None=None, # segmentation: the value padded mask pixels take (for losses to ignore); None: padded as the image
+                    mask_colours:dict|None=None, # segmentation with RGB-coded masks: `{(r, g, b): code}`
                     **kwargs, # see `from_items`
                    ):
         "DALI loaders for what `dblock.dataloaders(source)` would load: fastai finds the items, splits and labels them; DALI reads, decodes and augments"
-        train,valid = dblock_items(dblock, source)
+        train,valid = dblock_items(dblock, source, void_code, mask_colours)
         if not keep_empty: train = _with_boxes(train)
-        # the blocks' own item steps are done here: ToTensor by DALI, PointScaler and BBoxLabeler by the box and point targets
-        item_tfms = _user_tfms(dblock.item_tfms, (ToTensor, PointScaler, BBoxLabeler))
+        # the blocks' own item steps are done here: ToTensor by DALI, PointScaler and BBoxLabeler by the box and point targets,
+        # AddMaskCodes by the mask target
+        item_tfms = _user_tfms(dblock.item_tfms, (ToTensor, PointScaler, BBoxLabeler, AddMaskCodes))
         batch_tfms = _user_tfms(dblock.batch_tfms, IntToFloatTensor)
         kwargs = {**{k: v for k,v in dblock.dls_kwargs.items() if v is not bb_pad}, **kwargs}  # the box targets pad as bb_pad
         return cls.from_items(path, train, valid, bs=bs, val_bs=val_bs, shuffle=shuffle, device=device,
                               item_tfms=item_tfms, batch_tfms=batch_tfms, **kwargs)
+
+    @classmethod
+    def from_label_func(cls, path, # the dataset's root (saved as `dls.path`)
+                        fnames:list, # image files
+                        label_func, # image file → its mask file
+                        valid_pct:float=0.2, # share of images held out for validation
+                        seed:int|None=None, # seed for the split (and the loaders)
+                        codes:list|None=None, # class names: mask value `i` is `codes[i]`
+                        item_tfms=None, # fastai item transforms (`Resize(...)`...): the masks follow them
+                        batch_tfms=None, # fastai batch transforms (`aug_transforms()`...): the masks follow the geometric ones
+                        img_cls=PILImage, # fastai's image type
+                        **kwargs, # see `from_dblock` (`void_code`, `mask_colours`) and `from_items`
+                       ):
+        "Segmentation loaders, as fastai's `SegmentationDataLoaders.from_label_func`: the mask of image `f` is the file `label_func(f)`"
+        dblock = DataBlock(blocks=(ImageBlock(img_cls), MaskBlock(codes=codes)), splitter=RandomSplitter(valid_pct, seed=seed),
+                           get_y=label_func, item_tfms=item_tfms, batch_tfms=batch_tfms)
+        return cls.from_dblock(dblock, fnames, path=path, seed=seed, **kwargs)
 
     @classmethod
     def from_boxes(cls, path, # the dataset's root (saved as `dls.path`)

@@ -140,6 +140,7 @@ class Target:
                   full:bool=True): # decode all the way (class names...)
         "This target of `sample`, decoded (boxes and points need the image's size, their labels their boxes)"
         return self.decode(sample[k], full=full)
+    side_files = None  # a target DALI reads from files of its own (a mask) lists them, one per item, in item order
     def retain(self, y): return y if self.values is None else retain_type(y, self.values)
     @property
     def vocab(self): return getattr(self.tfms, 'vocab', None)
@@ -388,7 +389,8 @@ class DaliDataLoader:
         self.drop_last = train if drop_last is None else drop_last
         self.device = as_device(device)
         self.after_batch = _after_batch(self.recipes[0])
-        self._source = PipelineSource(['images', 'index'] + (['window', 'matrix'] if self._geometric else []))
+        self._source = PipelineSource(['images', 'index'] + (['window', 'matrix'] if self._geometric else []) +
+                                      [f'side{k}_{n}' for k,t in enumerate(self._sides) for n in t.side_names])
         self._epoch,self._epoch_no,self._taken_at_resume,self._peeks = None,0,0,0
         self.rank,self.world_size = 0,1
 
@@ -435,6 +437,19 @@ class DaliDataLoader:
         "Whether a target follows the images' geometry (boxes, points): the pipeline then reports each sample's window and matrix"
         return any(getattr(t, 'geometric', False) for t in self.items.targets)
 
+    @property
+    def _sides(self)->list:
+        "The targets DALI reads from files of their own beside the images (masks), when the items are labelled"
+        return [t for t in self.items.targets if t.side_files is not None]
+
+    def _graph(self, device_id:int|None, encoded, *side_encoded)->tuple:
+        "The images; with geometric targets, the window and matrix; then what each side target makes of its files"
+        kw = dict(device_id=device_id, hw_decoder_load=self.hw_decoder_load, dtype=self.dtype)
+        if not self._geometric: return self.recipe.build(encoded, **kw)
+        outs = geometry_outputs(self.recipe, encoded, **kw)
+        for t,e in zip(self._sides, side_encoded): outs += tuple(t.graph(e, outs[1], outs[2], self.recipe, device_id))
+        return outs
+
     def _pipeline(self, seed, order_seed, checkpoint=None):
         "A DALI pipeline reading this loader's items, labelled by their index, through its recipe"
         files,idx = self.items.files,list(range(len(self.items)))
@@ -442,10 +457,10 @@ class DaliDataLoader:
             idx = interleaved_order(len(files), self.bs, self.world_size)
             files = [files[i] for i in idx]
         device_id = dali_device_id(self.device)
-        images = partial(partial(geometry_outputs, self.recipe) if self._geometric else self.recipe.build, device_id=device_id,
-                         hw_decoder_load=self.hw_decoder_load, dtype=self.dtype)
-        return classification_pipeline(files, idx, self.bs, images, device_id, self.shuffle, seed, self.num_threads,
-                                       self.prefetch, self.rank, self.world_size, order_seed, checkpoint)
+        side = [[t.side_files[i] for i in idx] for t in self._sides]
+        return classification_pipeline(files, idx, self.bs, partial(self._graph, device_id), device_id, self.shuffle, seed,
+                                       self.num_threads, self.prefetch, self.rank, self.world_size, order_seed, checkpoint,
+                                       side_files=side)
 
     def _iterator(self)->DALIGenericIterator:
         "The DALI iterator for the current split and shard (the order is the same on every rank; augmentation differs)"
@@ -563,7 +578,9 @@ class DaliDataLoader:
         # what boxes and points follow: each sample's source window and output → item map, on the batch's device
         geo = dict(window=d['window'].to(idx.device), matrix=d['matrix'].to(idx.device), item_hw=self.recipe.item_size,
                    out_hw=self.recipe.size)
-        return (x, *[t.batch(idx, geo) if getattr(t, 'geometric', False) else t.batch(idx) for t in self.items.targets])
+        sides = {id(t): {n: d[f'side{k}_{n}'] for n in t.side_names} for k,t in enumerate(self._sides)}
+        return (x, *[t.batch(idx, geo, sides[id(t)]) if id(t) in sides else t.batch(idx, geo) if getattr(t, 'geometric', False)
+                     else t.batch(idx) for t in self.items.targets])
 
     def one_batch(self):
         "A batch from a short-lived copy of this loader, so a running or later epoch is not disturbed"

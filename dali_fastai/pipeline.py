@@ -24,13 +24,14 @@ def read_files(files:list, # image paths
                shard_id:int=0, # this process's shard
                num_shards:int=1, # number of shards (processes) reading the dataset
                name:str='Reader', # the name iterators use to find the epoch size
+               seed:int|None=None, # seed of the reshuffles; readers of as many files with the same seed shuffle alike
               )->tuple: # (encoded images, labels) DataNodes
     "Read encoded images and their labels from explicit lists, with whole-epoch padding so no sample is repeated"
     # in order, shard `shard_id` is always the same slice; shuffled, DALI reshuffles the whole list and moves each
     # shard to the next slice every epoch (it allows no other way)
     return fn.readers.file(files=[str(f) for f in files], labels=[int(l) for l in labels], name=name,
                            shuffle_after_epoch=shuffle, pad_last_batch=True, shard_id=shard_id, num_shards=num_shards,
-                           stick_to_shard=not shuffle)
+                           stick_to_shard=not shuffle, **({} if seed is None else {'seed': seed}))
 
 # %% ../nbs/02_pipeline.ipynb #4294b738
 def shuffled(files:list, # image paths
@@ -148,7 +149,7 @@ def on_device(x:DataNode, device_id:int|None)->DataNode:
 def classification_pipeline(files:list, # image paths
                             labels:list, # integer label of each file (a class, or an item index)
                             bs:int, # batch size
-                            images, # `images(encoded)` → the graph's image output (decode, augment, normalize), or a tuple of it and more outputs
+                            images, # `images(encoded, *side_encoded)` → the graph's image output (decode, augment, normalize), or a tuple of it and more outputs
                             device_id:int|None=None, # GPU id, or None for the CPU backend
                             shuffle:bool=False, # a new order every epoch
                             seed:int|None=None, # seed of every random operator; None: random
@@ -158,13 +159,21 @@ def classification_pipeline(files:list, # image paths
                             num_shards:int=1, # number of shards
                             order_seed:int|None=None, # seed of the first epoch's order; default: `seed` (DDP ranks share it)
                             checkpoint:bytes|None=None, # a DALI checkpoint of this pipeline to resume from
+                            side_files:list=(), # other files of each item (e.g. its mask), one list each, read in step with `files`
                            )->Pipeline: # outputs `images`, `labels` (N,1) int32 on the pipeline's device, then `images`' other outputs
     "The body every pipeline here shares: (shuffled) reader → `images(encoded)`, and the labels beside them"
-    if shuffle: files,labels = shuffled(files, labels, seed if order_seed is None else order_seed)
+    order_seed = seed if order_seed is None else order_seed
+    if shuffle:
+        files,perm = shuffled(files, list(range(len(files))), order_seed)
+        labels,side_files = [labels[i] for i in perm],[[s[i] for i in perm] for s in side_files]
+    # side readers reshuffle as the images' reader does: the same files count and the same seed
+    lockstep = None if not side_files else int(np.random.SeedSequence(order_seed).generate_state(1)[0] >> 1)
     pipe = new_pipeline(bs, device_id, num_threads, seed, prefetch, checkpoint)
     with pipe:
-        encoded,lbls = read_files(files, labels, shuffle=shuffle, shard_id=shard_id, num_shards=num_shards)
-        outs = images(encoded)
+        kw = dict(shuffle=shuffle, shard_id=shard_id, num_shards=num_shards, seed=lockstep)
+        encoded,lbls = read_files(files, labels, **kw)
+        side = [read_files(s, list(range(len(s))), name=f'Side{k}', **kw)[0] for k,s in enumerate(side_files)]
+        outs = images(encoded, *side)
         outs = outs if isinstance(outs, tuple) else (outs,)
         pipe.set_outputs(outs[0], on_device(lbls, device_id), *outs[1:])
     return pipe

@@ -182,3 +182,14 @@ def index_learner(files, tmp_path, drain_limit=4):
                            drain_limit=drain_limit)
     dls = DaliDataLoaders(train, valid, path=tmp_path, device='cpu')
     return Learner(dls, tiny_model(MAX_INDEX), loss_func=CrossEntropyLossFlat(), path=tmp_path, cbs=Items())
+
+
+def assert_resume_replays(dl):
+    "A copy of `dl` restored from its JSON `state_dict` after one batch yields the same next batch as `dl` (every tensor)"
+    import json
+    it = iter(dl); next(it)
+    state = json.loads(json.dumps(dl.state_dict()))
+    want = next(it)
+    resumed = dl.new(); resumed.load_state_dict(state)
+    got = next(iter(resumed))
+    assert len(got) == len(want) and all(torch.equal(a, b) for a,b in zip(got, want))

@@ -106,7 +106,7 @@ def test_train_detection_from_the_command_line(tmp_path, capsys):
     scenes = fashion_scenes(tmp_path/'scenes', n_train=16, n_valid=8, size=96, progress=False)
     cli.main(['train', '--task', 'detection', str(scenes), '--device', 'cpu', '--epochs', '1', '--bs', '8', '--size', '64'])
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last.startswith('done: 1 epochs of fcos on 16 images (cpu)') and '| mAP ' in last and '| mAP@0.5 ' in last
+    assert last.startswith('done: 1 epochs of fcos on 16 images (cpu)') and '| map ' in last and '| map_50 ' in last
     with pytest.raises(SystemExit, match='--valid-pct and --pretrained are for classification'):
         cli.main(['train', '--task', 'detection', str(scenes), '--valid-pct', '0.2'])
 

@@ -125,10 +125,10 @@ def test_learners_learn_each_target(df, tmp_path):
     assert mse < 0.5*var, f"regression MSE {mse:.5f}, predicting the mean gives {var:.5f}"
 
 
-def test_mask_targets_are_refused_with_a_clear_error(tmp_path):
-    "Segmentation is not read by DALI yet: a MaskBlock DataBlock gets an error that says so, before any mask is opened"
-    from fastai.vision.all import MaskBlock, FuncSplitter
-    dblock = DataBlock(blocks=(ImageBlock, MaskBlock(codes=['bg', 'fg'])), get_items=lambda d: [d/'a.png', d/'b.png'],
-                       get_y=lambda o: o.parent/'no_such_mask.png', splitter=FuncSplitter(lambda o: o.name == 'b.png'))
-    with pytest.raises(ValueError, match=r'image-like target \(MaskBlock for segmentation.*use dblock.dataloaders'):
+def test_image_targets_are_refused_with_a_clear_error(tmp_path):
+    "An image target (image to image) is not read by DALI: a clear error that says so, before any target image is opened"
+    from fastai.vision.all import FuncSplitter
+    dblock = DataBlock(blocks=(ImageBlock, ImageBlock), get_items=lambda d: [d/'a.png', d/'b.png'],
+                       get_y=lambda o: o.parent/'no_such_image.png', splitter=FuncSplitter(lambda o: o.name == 'b.png'))
+    with pytest.raises(ValueError, match=r'an image target \(an ImageBlock after the input.*use dblock.dataloaders'):
         DaliDataLoaders.from_dblock(dblock, tmp_path, bs=1, device='cpu')
