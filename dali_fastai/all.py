@@ -11,6 +11,7 @@ __all__ = []
 from .augment import synthetic_warps
 from .pipeline import train_pipeline, valid_pipeline, IMAGENET_MEAN, IMAGENET_STD
 from .files import check_images
+from .translate import RandomBoxCrop
 from .loader import n_batches, DaliNormalize, Target, ImageItems, DaliDataLoader
 from .targets import BoxTarget, BoxLabelTarget, PointTarget
 from .masks import MaskTarget, prepare_masks
@@ -23,7 +24,7 @@ from .detection import small_detector, detection_learner, DetectionMAP
 from .bench import bench, bench_images
 
 # %% ../nbs/07_all.ipynb #f745ce07
-__all__ = ['synthetic_warps', 'train_pipeline', 'valid_pipeline', 'IMAGENET_MEAN', 'IMAGENET_STD', 'check_images',
+__all__ = ['synthetic_warps', 'train_pipeline', 'valid_pipeline', 'IMAGENET_MEAN', 'IMAGENET_STD', 'check_images', 'RandomBoxCrop',
            'n_batches', 'DaliNormalize', 'Target', 'ImageItems', 'DaliDataLoader', 'BoxTarget', 'BoxLabelTarget', 'PointTarget',
            'MaskTarget', 'prepare_masks', 'DaliDataLoaders', 'UnpackDaliBatch', 'ClampSchedPos', 'DaliResetCallback',
            'restart_epoch', 'DaliDistributed', 'DaliCheckpoint', 'fashion_mnist', 'fashion_mnist_df', 'FASHION_MNIST_CLASSES',

@@ -26,6 +26,7 @@ from .data import DaliDataLoaders
 from .bench import bench, bench_images, detection_bench, segmentation_bench, voc_segmentation_dblock, camvid_dblock
 from .detection import small_detector, detection_learner
 from .scenes import fashion_scenes
+from .translate import RandomBoxCrop
 
 # %% ../nbs/06_cli.ipynb #abb54b89
 def dataloaders_for(path:str|Path|None=None, # ImageNet-style folder; None: the embedded Fashion-MNIST sample
@@ -110,11 +111,12 @@ def train(path:str|Path|None=None, # ImageNet-style folder; None: the embedded F
 # %% ../nbs/06_cli.ipynb #0febbc01
 def detection_dataloaders(path:str|Path|None=None, # COCO or Pascal VOC folder; None: the embedded scenes
                           size:int=128, # side of the square images
+                          box_crop:bool=False, # SSD's IoU-constrained random crop (`RandomBoxCrop`) instead of `Resize`
                           **kwargs, # `DaliDataLoaders.from_boxes` options: bs, device, seed, ...
                          )->DaliDataLoaders:
     "Detection loaders for a COCO folder (`annotations/{train,valid}.json`) or a Pascal VOC folder, with fastai's usual augmentation"
     path = fashion_scenes(progress=False) if path is None else Path(path)
-    tfms = dict(item_tfms=Resize(size), batch_tfms=[*aug_transforms(size=size), Normalize.from_stats(*imagenet_stats)])
+    tfms = dict(item_tfms=RandomBoxCrop(size) if box_crop else Resize(size), batch_tfms=[*aug_transforms(size=size), Normalize.from_stats(*imagenet_stats)])
     if (path/'annotations'/'train.json').is_file():
         images = 'JPEGImages' if (path/'JPEGImages').is_dir() else '.'
         return DaliDataLoaders.from_coco(path, images=images, **tfms, **kwargs)
@@ -130,11 +132,12 @@ def train_detection(path:str|Path|None=None, # COCO or Pascal VOC folder; None: 
                     lr:float=1e-3, # peak learning rate
                     device:str|None=None, # 'cpu' or 'gpu'; default: the GPU if visible
                     seed:int|None=None, # seed for order and augmentation
+                    box_crop:bool=False, # SSD's IoU-constrained random crop (`RandomBoxCrop`) instead of `Resize`
                     export:str|None=None, # save the trained Learner here
                     progress:bool|None=None, # fastai's progress bars; default: when printing to a terminal
                    )->Learner:
     "Train a detector on `path` with DALI loaders and print a final line with COCO mAP (`map`, `map_50`)"
-    dls = detection_dataloaders(path, size, bs=bs, device=device, seed=seed)
+    dls = detection_dataloaders(path, size, box_crop, bs=bs, device=device, seed=seed)
     learn = detection_learner(dls, small_detector(len(dls.vocab), size, arch))
     return fit_and_report(learn, epochs, lr, arch, export, progress)
 
@@ -194,6 +197,8 @@ def parser()->argparse.ArgumentParser:
     t.add_argument('--valid-pct', type=float, default=None, help="hold out this share of the images at random for "
                    "validation (e.g. 0.2) instead of valid/; needed when PATH has no valid/ folder")
     t.add_argument('--export', default=None, help="save the trained Learner (Learner.export) to this file")
+    t.add_argument('--box-crop', action='store_true', help="detection: SSD's IoU-constrained random crop (RandomBoxCrop) "
+                   "instead of Resize per item")
     b = sub.add_parser('bench', help="measure loader and training throughput side by side", description=bench.__doc__)
     b.add_argument('path', nargs='?', default=None, help="ImageNet-style folder; default: a set made from scikit-image's "
                    "sample photos (see --n-per-class); detection: a COCO folder, default the embedded scenes")
@@ -213,14 +218,15 @@ def parser()->argparse.ArgumentParser:
     b.add_argument('--out', default='bench_results', help="folder for results.json and bench.png (default: bench_results)")
     return p
 
-def _train(task:str, arch:str|None, valid_pct:float|None=None, pretrained:bool=False, **kwargs):
+def _train(task:str, arch:str|None, valid_pct:float|None=None, pretrained:bool=False, box_crop:bool=False, **kwargs):
     "`train`, `train_detection` or `train_segmentation`, each with its own defaults for what the command line leaves unset"
     kwargs = {k: v for k,v in kwargs.items() if v is not None}
+    if box_crop and task != 'detection': raise ValueError("--box-crop crops around boxes: it is for --task detection")
     if task == 'classification': return train(arch=arch or 'resnet18', valid_pct=valid_pct, pretrained=pretrained, **kwargs)
     if valid_pct is not None or pretrained: raise ValueError(f"--valid-pct and --pretrained are for classification: {task} "
                                                              "reads the splits of its annotations and trains from scratch")
     if task == 'segmentation': return train_segmentation(arch=arch or 'resnet34', **kwargs)
-    return train_detection(arch=arch or 'fcos', **kwargs)
+    return train_detection(arch=arch or 'fcos', box_crop=box_crop, **kwargs)
 
 def _bench(task:str, path, n_per_class:int, size:int|None, bs:int|None, archs:str|None, fastai_loader:bool, out:str, **kwargs):
     "`bench`, `detection_bench` or `segmentation_bench`, each with its own defaults for what the command line leaves unset"

@@ -24,6 +24,7 @@ from fastai.data.transforms import Categorize, Normalize
 from fastai.torch_core import TensorImage, TensorCategory, batch_to_samples, num_distrib, retain_type
 from fasttransform import Pipeline
 import fastai.vision.data, fastai.vision.learner  # register `show_batch`/`show_results` for images
+from nvidia.dali import fn, types
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 from .augment import synthetic_warps
 from .files import check_images, describe_bad, bad_files_message
@@ -442,12 +443,20 @@ class DaliDataLoader:
         "The targets DALI reads from files of their own beside the images (masks), when the items are labelled"
         return [t for t in self.items.targets if t.side_files is not None]
 
+    @property
+    def _box_files(self)->list|None:
+        "Each item's box file, when the item step crops around the boxes (`RandomBoxCrop`) and the items have boxes"
+        if not self.recipe.needs_boxes: return None
+        return next((t.box_files for t in self.items.targets if getattr(t, 'box_files', None) is not None), None)
+
     def _graph(self, device_id:int|None, encoded, *side_encoded)->tuple:
         "The images; with geometric targets, the window and matrix; then what each side target makes of its files"
         kw = dict(device_id=device_id, hw_decoder_load=self.hw_decoder_load, dtype=self.dtype)
         if not self._geometric: return self.recipe.build(encoded, **kw)
-        outs = geometry_outputs(self.recipe, encoded, **kw)
-        for t,e in zip(self._sides, side_encoded): outs += tuple(t.graph(e, outs[1], outs[2], self.recipe, device_id))
+        sides = self._sides
+        boxes = fn.reinterpret(side_encoded[len(sides)], dtype=types.FLOAT, shape=[-1, 4]) if len(side_encoded) > len(sides) else None
+        outs = geometry_outputs(self.recipe, encoded, boxes=boxes, **kw)
+        for t,e in zip(sides, side_encoded): outs += tuple(t.graph(e, outs[1], outs[2], self.recipe, device_id))
         return outs
 
     def _pipeline(self, seed, order_seed, checkpoint=None):
@@ -457,7 +466,8 @@ class DaliDataLoader:
             idx = interleaved_order(len(files), self.bs, self.world_size)
             files = [files[i] for i in idx]
         device_id = dali_device_id(self.device)
-        side = [[t.side_files[i] for i in idx] for t in self._sides]
+        boxes = self._box_files
+        side = [[f[i] for i in idx] for f in [t.side_files for t in self._sides] + ([boxes] if boxes is not None else [])]
         return classification_pipeline(files, idx, self.bs, partial(self._graph, device_id), device_id, self.shuffle, seed,
                                        self.num_threads, self.prefetch, self.rank, self.world_size, order_seed, checkpoint,
                                        side_files=side)

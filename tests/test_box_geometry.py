@@ -12,6 +12,7 @@ from fastai.vision.all import (DataBlock, ImageBlock, BBoxBlock, BBoxLblBlock, P
 from PIL import Image
 
 from dali_fastai.data import DaliDataLoaders
+from dali_fastai.translate import RandomBoxCrop
 from helpers import assert_resume_replays
 
 DEVICE = os.environ.get('DALI_FASTAI_TEST_DEVICE', 'cpu')
@@ -97,6 +98,7 @@ CASES = {  # name: (item_tfms, batch_tfms, IoU bound); boxes of 20-40 output pix
     'resize pad': (Resize(96, method='pad', pad_mode='zeros'), [], 0.9),
     'resize squish': (Resize(96, method='squish'), [], 0.9),
     'random resized crop': (RandomResizedCrop(96, min_scale=0.5), [], 0.9),
+    'random box crop': (RandomBoxCrop(96), [], 0.9),
     'flip': (Resize(96), [Flip(p=1.)], 0.9),
     'dihedral': (Resize(96), [Dihedral(p=1.)], 0.9),
     'zoom': (Resize(96), [Zoom(min_zoom=1.1, max_zoom=1.4, p=1.)], 0.9),
@@ -238,3 +240,22 @@ def test_several_points_follow_the_augmentation(scenes):
 def test_resume_replays_the_same_boxes(scenes):
     "A loader restored from `state_dict` mid-epoch yields the same augmented images and the same boxes and labels"
     assert_resume_replays(loaders(scenes, Resize(96), aug_transforms(size=96), bs=4).train)
+
+
+@pytest.mark.parametrize('fastai_loader', [False, True])
+def test_random_box_crop_keeps_the_object(scenes, fastai_loader):
+    "`RandomBoxCrop(min_ious=(0.5,))` on images of one object: every window overlaps the box by IoU >= 0.5, so the box is never dropped; a plain RandomResizedCrop drops some. The same in fastai's own loader"
+    root,ann = scenes
+    ones = sorted(f for f in root.glob('train_*.png') if len(ann[f.name][0]) == 1)
+    seen = {l for o in ones for l in ann[o.name][1]}
+    valid = next(f for f in sorted(root.glob('valid_*.png')) if set(ann[f.name][1]) <= seen)  # fastai needs its labels in training
+    def n_boxes(item):  # boxes in 30 epochs of training batches
+        d = DataBlock(blocks=(ImageBlock, BBoxBlock, BBoxLblBlock), get_items=lambda _: ones + [valid], n_inp=1,
+                      get_y=[lambda o: ann[o.name][0], lambda o: ann[o.name][1]], item_tfms=item,
+                      splitter=FuncSplitter(lambda o: o.name.startswith('valid')))
+        dl = (d.dataloaders(root, bs=len(ones), num_workers=0, shuffle=False, drop_last=False) if fastai_loader else
+              DaliDataLoaders.from_dblock(d, root, bs=len(ones), device=DEVICE, seed=0, val_bs=1, drop_last=False)).train
+        return sum(int((lbl != 0).sum()) for _ in range(30) for _,_,lbl in dl)
+    assert len(ones) >= 2
+    assert n_boxes(RandomBoxCrop(96, min_ious=(0.5,), allow_no_crop=False)) == 30*len(ones)
+    assert n_boxes(RandomResizedCrop(96, min_scale=0.08)) < 30*len(ones)
