@@ -27,6 +27,7 @@ from .bench import bench, bench_images, detection_bench, segmentation_bench, voc
 from .detection import small_detector, detection_learner
 from .scenes import fashion_scenes
 from .translate import RandomBoxCrop
+from .shards import folder_shards, check_shards
 
 # %% ../nbs/06_cli.ipynb #abb54b89
 def dataloaders_for(path:str|Path|None=None, # ImageNet-style folder; None: the embedded Fashion-MNIST sample
@@ -216,7 +217,25 @@ def parser()->argparse.ArgumentParser:
     b.add_argument('--workers', type=int, default=None, help="worker processes of fastai's loader (default: one per core)")
     b.add_argument('--n-per-class', type=int, default=500, help="images a class in the generated set (default: 500)")
     b.add_argument('--out', default='bench_results', help="folder for results.json and bench.png (default: bench_results)")
+    w = sub.add_parser('shards', help="write an image folder as WebDataset shards, or check shards",
+                       description="Write SRC (ImageNet-style: train/<class>/*, valid/<class>/*) as WebDataset shards in DEST "
+                       "(train-*.tar, valid-*.tar, their DALI indexes, vocab.txt), or with --check and one folder, read "
+                       "every sample of its shards back")
+    w.add_argument('paths', nargs='+', metavar='SRC DEST', help="the image folder and the shards' folder; with --check: the shards' folder")
+    w.add_argument('--format', choices=['webdataset'], default='webdataset', help="shard format (default: webdataset)")
+    w.add_argument('--shard-size', type=int, default=10_000, help="samples a shard (default: 10000)")
+    w.add_argument('--seed', type=int, default=0, help="seed of the training shards' order (default: 0)")
+    w.add_argument('--check', action='store_true', help="read every sample back (after writing, or alone)")
     return p
+
+def _shards(paths:list, format:str, shard_size:int, seed:int, check:bool):
+    "`folder_shards` and/or `check_shards`, with a line saying what was done"
+    if len(paths) > 2 or (len(paths) == 1 and not check):
+        raise ValueError("give SRC and DEST to write shards, or --check and one folder of shards to check")
+    if len(paths) == 2:
+        written = folder_shards(*paths, shard_size=shard_size, seed=seed)
+        print(f"wrote {', '.join(f'{len(v)} {k} shards' for k,v in written.items())} in {paths[1]}")
+    if check: print(f"checked {check_shards(paths[-1])} samples in {paths[-1]}: all readable")
 
 def _train(task:str, arch:str|None, valid_pct:float|None=None, pretrained:bool=False, box_crop:bool=False, **kwargs):
     "`train`, `train_detection` or `train_segmentation`, each with its own defaults for what the command line leaves unset"
@@ -245,4 +264,5 @@ def main(argv:list|None=None): # arguments; default: `sys.argv[1:]`
     try:
         if command == 'train': _train(**args)
         if command == 'bench': _bench(**args)
+        if command == 'shards': _shards(**args)
     except (FileNotFoundError, ValueError, ConnectionError) as e: sys.exit(f"dali-fastai {command}: error: {e}")

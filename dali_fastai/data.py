@@ -29,6 +29,7 @@ from .files import image_format, DECODABLE
 from .loader import DaliDataLoader, ImageItems, Target, usable_items
 from .targets import Ragged, BoxTarget, BoxLabelTarget, PointTarget
 from .masks import MaskTarget
+from .shards import ShardItems, IMAGE_EXTS
 from .annotations import read_coco, read_voc
 
 # %% ../nbs/03a_data.ipynb #e9fc36cd
@@ -257,7 +258,7 @@ class DaliDataLoaders(DataLoaders):
                    **kwargs, # `DaliDataLoader` settings: size, seed, item_tfms, batch_tfms, augmentation keywords...; `val_` + a setting: for validation only
                   ):
         "Train and valid loaders over `ImageItems`: every constructor ends here"
-        _check_files(train.files, 'the training set'); _check_files(valid.files, 'the validation set')
+        _check_files(train, 'the training set'); _check_files(valid, 'the validation set')
         if check_files: train,valid = _usable_splits(train, valid, path, skip_bad_files)
         val_kw = {k[4:]: kwargs.pop(k) for k in list(kwargs) if k.startswith('val_')}
         train_dl = DaliDataLoader(train, bs=bs, train=True, shuffle=shuffle, device=device,
@@ -465,6 +466,26 @@ class DaliDataLoaders(DataLoaders):
         kw = dict(keep_difficult=keep_difficult, keep_empty=keep_empty, skip_bad=skip_bad)
         train,valid = [read_voc(path, s, **kw)[0] for s in (train_split, valid_split)]
         return cls.from_boxes(Path(path), train, valid, **kwargs)
+
+    @classmethod
+    def from_webdataset(cls, path, # folder of the shards (saved as `dls.path`)
+                        train:str|list='train-*.tar', # the training shards: a glob under `path`, or a list of files
+                        valid:str|list='valid-*.tar', # the validation shards
+                        vocab:list|None=None, # class names in label order; default: the lines of `path/vocab.txt`
+                        label_offset:int=0, # subtracted from every stored label (1 for 1-based labels)
+                        image_ext:str=IMAGE_EXTS, # a sample's image extensions, ';'-separated
+                        label_ext:str='cls', # its label file's extension (an integer as text)
+                        **kwargs, # see `from_items`
+                       ):
+        "Loaders over WebDataset shards (`<key>.jpg` + `<key>.cls`), read by DALI's `fn.readers.webdataset`; indexes built on first use"
+        path = Path(path)
+        if vocab is None:
+            if not (path/'vocab.txt').is_file(): raise FileNotFoundError(f"{path} has no vocab.txt (one class name a line, label 0 "
+                                                                        "first): pass vocab=[...] or write it (dali-fastai shards does)")
+            vocab = (path/'vocab.txt').read_text().splitlines()
+        def shards(s): return sorted(path.glob(s)) if isinstance(s, str) else [Path(f) for f in s]
+        items = [ShardItems(shards(s), vocab, image_ext, label_ext, label_offset) for s in (train, valid)]
+        return cls.from_items(path, *items, check_files=False, **kwargs)
 
     @classmethod
     def from_dsets(cls, *ds, **kwargs):

@@ -230,7 +230,7 @@ class ImageItems:
 
 # %% ../nbs/03_loader.ipynb #862d4005
 FULL_CHECK_LIMIT = 10_000  # on a DALI decode failure, decode at most this many candidate files with PIL
-_DECODE_FAILURE = re.compile(r"operator `nvidia\.dali\.fn\.(decoders\.|readers\.file)|nvImageCodec failure")
+_DECODE_FAILURE = re.compile(r"operator `nvidia\.dali\.fn\.(decoders\.|readers\.file|readers\.webdataset)|nvImageCodec failure")
 
 def _is_decode_failure(e:Exception)->bool:
     "Whether `e` is DALI failing to read or decode a file (its message names the operator)"
@@ -461,8 +461,8 @@ class DaliDataLoader:
 
     def _pipeline(self, seed, order_seed, checkpoint=None):
         "A DALI pipeline reading this loader's items, labelled by their index, through its recipe"
-        files,idx = self.items.files,list(range(len(self.items)))
-        if self.world_size > 1 and not self.shuffle:  # the ranks' gathered batches are then the items in order
+        files,idx = self.items.files,list(range(len(self.items.files)))  # records in shards: the items' `read` reads them
+        if self.world_size > 1 and not self.shuffle and files:  # the ranks' gathered batches are then the items in order
             idx = interleaved_order(len(files), self.bs, self.world_size)
             files = [files[i] for i in idx]
         device_id = dali_device_id(self.device)
@@ -470,7 +470,7 @@ class DaliDataLoader:
         side = [[f[i] for i in idx] for f in [t.side_files for t in self._sides] + ([boxes] if boxes is not None else [])]
         return classification_pipeline(files, idx, self.bs, partial(self._graph, device_id), device_id, self.shuffle, seed,
                                        self.num_threads, self.prefetch, self.rank, self.world_size, order_seed, checkpoint,
-                                       side_files=side)
+                                       side_files=side, reader=getattr(self.items, 'read', None))
 
     def _iterator(self)->DALIGenericIterator:
         "The DALI iterator for the current split and shard (the order is the same on every rank; augmentation differs)"
@@ -554,13 +554,19 @@ class DaliDataLoader:
             except StopIteration: break
             except RuntimeError as e:
                 if not _is_decode_failure(e): self.close(); raise
-                failure = self._decode_failure(epoch.taken)
+                failure = self._read_failure(e, epoch.taken) if hasattr(self.items, 'read') else self._decode_failure(epoch.taken)
             except BaseException:  # e.g. Ctrl-C inside DALI: its iterator's state is unknown, so it is never reused
                 self.close(); raise
             if failure is not None:  # raised outside `except`: DALI's error, and the dead pipeline it holds, are freed now
                 self.close(); del batches,epoch
                 raise ValueError(failure)
             yield self.after_batch(self._to_batch(data))
+
+    def _read_failure(self, e:Exception, batch:int)->str:
+        "The error for DALI failing on a record of shards (reported at `batch`, 0-based): DALI's own words, and what to do"
+        said = next((l.strip() for l in str(e).splitlines() if 'rror' in l and 'Traceback' not in l), str(e).splitlines()[0])
+        return (f"DALI could not read or decode a record of {self.items!r} (reported at batch {batch+1}): {said}. Check the "
+                "shards with `dali-fastai shards --check DEST`, and write the bad one again")
 
     def _decode_failure(self, batch):
         "The error for a DALI decoding failure reported at `batch` (0-based): the files PIL cannot decode either"

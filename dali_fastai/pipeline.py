@@ -160,10 +160,11 @@ def classification_pipeline(files:list, # image paths
                             order_seed:int|None=None, # seed of the first epoch's order; default: `seed` (DDP ranks share it)
                             checkpoint:bytes|None=None, # a DALI checkpoint of this pipeline to resume from
                             side_files:list=(), # other files of each item (e.g. its mask), one list each, read in step with `files`
+                            reader=None, # instead of `files` and `labels`: `reader(shuffle, shard_id, num_shards, order_seed)` → (encoded, labels) nodes
                            )->Pipeline: # outputs `images`, `labels` (N,1) int32 on the pipeline's device, then `images`' other outputs
     "The body every pipeline here shares: (shuffled) reader → `images(encoded)`, and the labels beside them"
     order_seed = seed if order_seed is None else order_seed
-    if shuffle:
+    if shuffle and reader is None:
         files,perm = shuffled(files, list(range(len(files))), order_seed)
         labels,side_files = [labels[i] for i in perm],[[s[i] for i in perm] for s in side_files]
     # side readers reshuffle as the images' reader does: the same files count and the same seed
@@ -171,7 +172,8 @@ def classification_pipeline(files:list, # image paths
     pipe = new_pipeline(bs, device_id, num_threads, seed, prefetch, checkpoint)
     with pipe:
         kw = dict(shuffle=shuffle, shard_id=shard_id, num_shards=num_shards, seed=lockstep)
-        encoded,lbls = read_files(files, labels, **kw)
+        if reader is not None: encoded,lbls = reader(shuffle=shuffle, shard_id=shard_id, num_shards=num_shards, order_seed=order_seed)
+        else: encoded,lbls = read_files(files, labels, **kw)
         side = [read_files(s, list(range(len(s))), name=f'Side{k}', **kw)[0] for k,s in enumerate(side_files)]
         outs = images(encoded, *side)
         outs = outs if isinstance(outs, tuple) else (outs,)

@@ -294,7 +294,9 @@ def test_no_growth_over_create_iterate_destroy_cycles(files):
     for c in range(3): _cycle(files, c)  # warm-up: DALI's and torch's allocators, thread pools, imports
     before = usage()
     for c in range(3, 53): _cycle(files, c)
-    assert_no_growth(before, usage(), where='50 cycles')
+    # a pipeline kept alive holds ~3 MB here (10 leaked: +31 MB), so a leak a cycle is ~150 MB; RSS noise without a leak
+    # reached 18 MB on this machine and 36 MB on a loaded 2-core CI runner
+    assert_no_growth(before, usage(), rss_mb=64, where='50 cycles')
 
 
 @needs_proc
