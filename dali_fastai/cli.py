@@ -217,12 +217,12 @@ def parser()->argparse.ArgumentParser:
     b.add_argument('--workers', type=int, default=None, help="worker processes of fastai's loader (default: one per core)")
     b.add_argument('--n-per-class', type=int, default=500, help="images a class in the generated set (default: 500)")
     b.add_argument('--out', default='bench_results', help="folder for results.json and bench.png (default: bench_results)")
-    w = sub.add_parser('shards', help="write an image folder as WebDataset shards, or check shards",
-                       description="Write SRC (ImageNet-style: train/<class>/*, valid/<class>/*) as WebDataset shards in DEST "
-                       "(train-*.tar, valid-*.tar, their DALI indexes, vocab.txt), or with --check and one folder, read "
-                       "every sample of its shards back")
+    w = sub.add_parser('shards', help="write an image folder as WebDataset or TFRecord shards, or check shards",
+                       description="Write SRC (ImageNet-style: train/<class>/*, valid/<class>/*) as shards in DEST "
+                       "(train-*.tar and valid-*.tar, or train-*.tfrecord and valid-*.tfrecord; their DALI indexes; "
+                       "vocab.txt), or with --check and one folder, read every sample of its shards back")
     w.add_argument('paths', nargs='+', metavar='SRC DEST', help="the image folder and the shards' folder; with --check: the shards' folder")
-    w.add_argument('--format', choices=['webdataset'], default='webdataset', help="shard format (default: webdataset)")
+    w.add_argument('--format', choices=['webdataset', 'tfrecord'], default='webdataset', help="shard format (default: webdataset)")
     w.add_argument('--shard-size', type=int, default=10_000, help="samples a shard (default: 10000)")
     w.add_argument('--seed', type=int, default=0, help="seed of the training shards' order (default: 0)")
     w.add_argument('--check', action='store_true', help="read every sample back (after writing, or alone)")
@@ -233,7 +233,7 @@ def _shards(paths:list, format:str, shard_size:int, seed:int, check:bool):
     if len(paths) > 2 or (len(paths) == 1 and not check):
         raise ValueError("give SRC and DEST to write shards, or --check and one folder of shards to check")
     if len(paths) == 2:
-        written = folder_shards(*paths, shard_size=shard_size, seed=seed)
+        written = folder_shards(*paths, shard_size=shard_size, seed=seed, format=format)
         print(f"wrote {', '.join(f'{len(v)} {k} shards' for k,v in written.items())} in {paths[1]}")
     if check: print(f"checked {check_shards(paths[-1])} samples in {paths[-1]}: all readable")
 

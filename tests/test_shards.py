@@ -1,4 +1,4 @@
-"""WebDataset shards: a folder written as shards reads back as the same items, labels and pixels; every record once per
+"""WebDataset and TFRecord shards: a folder written as shards reads back as the same items, labels and pixels; every record once per
 epoch over odd shard counts and batch sizes, on 1, 2 and 3 ranks; bad shards are named; resume; a Learner trains."""
 import numpy as np
 import pytest
@@ -13,24 +13,30 @@ N_TRAIN, N_VALID = 29, 11
 VOCAB = [str(i) for i in range(MAX_INDEX)]
 
 
-@pytest.fixture(scope='module')
-def shards(tmp_path_factory):
+FROM = {'webdataset': DaliDataLoaders.from_webdataset, 'tfrecord': DaliDataLoaders.from_tfrecord}
+SUFFIX = {'webdataset': 'tar', 'tfrecord': 'tfrecord'}
+
+
+@pytest.fixture(scope='module', params=list(FROM))
+def shards(tmp_path_factory, request):
     "Index images 0..39 (colour = index = label): 29 training records in shards of 5 (the last has 4), 11 validation in shards of 4"
-    root = tmp_path_factory.mktemp('shards')
+    fmt = request.param
+    root = tmp_path_factory.mktemp(fmt)
     files = make_index_images(root/'images', N_TRAIN + N_VALID)
-    write_shards([(f, i) for i,f in enumerate(files[:N_TRAIN])], root, 'train', shard_size=5, progress=False)
-    write_shards([(f, N_TRAIN + i) for i,f in enumerate(files[N_TRAIN:])], root, 'valid', shard_size=4, shuffle=False, progress=False)
+    write_shards([(f, i) for i,f in enumerate(files[:N_TRAIN])], root, 'train', shard_size=5, progress=False, format=fmt)
+    write_shards([(f, N_TRAIN + i) for i,f in enumerate(files[N_TRAIN:])], root, 'valid', shard_size=4, shuffle=False,
+                 progress=False, format=fmt)
     (root/'vocab.txt').write_text('\n'.join(VOCAB) + '\n')
-    return root,files
+    return root,files,fmt
 
 
-def loaders(root, **kw):
-    return DaliDataLoaders.from_webdataset(root, **{'bs': 4, 'size': 8, 'device': 'cpu', 'seed': 0, **kw})
+def loaders(shards, **kw):
+    root,_,fmt = shards
+    return FROM[fmt](root, **{'bs': 4, 'size': 8, 'device': 'cpu', 'seed': 0, **kw})
 
 
 def test_every_record_once_with_its_label(shards):
-    root,_ = shards
-    dls = loaders(root, drop_last=False)
+    dls = loaders(shards, drop_last=False)
     assert len(dls.train.items) == N_TRAIN and len(dls.valid.items) == N_VALID and len(dls.train) == 8
     epochs = [flat(epoch_items(dls.train)) for _ in range(3)]  # labels agree with pixels in every batch
     for e in epochs: assert sorted(e) == list(range(N_TRAIN))
@@ -40,8 +46,8 @@ def test_every_record_once_with_its_label(shards):
 
 def test_same_pixels_as_the_folder_loader(shards):
     "Without augmentation, the validation records are the validation files' pixels, batch for batch"
-    root,files = shards
-    ours = loaders(root).valid
+    files = shards[1]
+    ours = loaders(shards).valid
     folder = DaliDataLoader(index_items(files[N_TRAIN:]), bs=4, size=8, device='cpu')
     for (x0,y0),(x1,y1) in zip(ours, folder):
         assert torch.equal(x0, x1) and y0.tolist() == [int(v) for v in y1.tolist()]
@@ -50,8 +56,7 @@ def test_same_pixels_as_the_folder_loader(shards):
 @pytest.mark.parametrize('world', [2, 3])
 def test_ranks_share_the_records(shards, world):
     "Validation on `world` ranks: the ranks' records together are every record once; training: each rank its own records"
-    root,_ = shards
-    dls = loaders(root, drop_last=False)
+    dls = loaders(shards, drop_last=False)
     seen = []
     for rank in range(world):
         dl = dls.valid.new(); dl.shard(rank, world)
@@ -67,28 +72,30 @@ def test_ranks_share_the_records(shards, world):
 
 
 def test_resume_replays_the_same_records(shards):
-    assert_resume_replays(loaders(shards[0]).train)
+    assert_resume_replays(loaders(shards).train)
 
 
 def test_bad_shards_are_named(shards, tmp_path):
-    root,files = shards
-    good = sorted(root.glob('train-*.tar'))[0]
-    (tmp_path/'train-000000.tar').write_bytes(good.read_bytes()[:2000])
+    root,files,fmt = shards
+    sfx = SUFFIX[fmt]
+    good = sorted(root.glob(f'train-*.{sfx}'))[0]
+    (tmp_path/f'train-000000.{sfx}').write_bytes(good.read_bytes()[:100 if fmt == 'tfrecord' else 2000])  # inside the first record
     (tmp_path/'vocab.txt').write_text('\n'.join(VOCAB))
-    with pytest.raises(ValueError, match=r"shard .*train-000000.tar cannot be read as a tar file .*truncated or damaged"):
-        DaliDataLoaders.from_webdataset(tmp_path, valid=[sorted(root.glob('valid-*.tar'))[0]], device='cpu')
-    with pytest.raises(ValueError, match=r"no shards"): DaliDataLoaders.from_webdataset(tmp_path, train='none-*.tar', device='cpu')
-    with pytest.raises(FileNotFoundError, match=r"no vocab.txt"): DaliDataLoaders.from_webdataset(tmp_path/'x', device='cpu')
+    said = (r"cannot be read as a tar file .*truncated or damaged" if fmt == 'webdataset' else r"record 0 \(byte 0\) is cut short")
+    with pytest.raises(ValueError, match=rf"shard .*train-000000.{sfx}: ?{said}" if fmt == 'tfrecord' else rf"shard .*train-000000.{sfx} {said}"):
+        FROM[fmt](tmp_path, valid=[sorted(root.glob(f'valid-*.{sfx}'))[0]], device='cpu')
+    with pytest.raises(ValueError, match=r"no shards"): FROM[fmt](tmp_path, train='none-*', device='cpu')
+    with pytest.raises(FileNotFoundError, match=r"no vocab.txt"): FROM[fmt](tmp_path/'x', device='cpu')
 
 
 def test_label_offset_and_fit(shards, tmp_path):
     "1-based labels read with label_offset=1; a Learner fits an epoch from shards"
     from fastai.learner import Learner
     import fastai.callback.progress  # noqa: F401 (Learner.no_bar)
-    root,files = shards
-    write_shards([(f, i + 1) for i,f in enumerate(files[:8])], tmp_path, 'train', shard_size=3, progress=False)
-    write_shards([(f, i + 1) for i,f in enumerate(files[:8])], tmp_path, 'valid', shard_size=3, shuffle=False, progress=False)
-    dls = DaliDataLoaders.from_webdataset(tmp_path, vocab=VOCAB, label_offset=1, bs=4, size=8, device='cpu', seed=0, drop_last=False)
+    root,files,fmt = shards
+    write_shards([(f, i + 1) for i,f in enumerate(files[:8])], tmp_path, 'train', shard_size=3, progress=False, format=fmt)
+    write_shards([(f, i + 1) for i,f in enumerate(files[:8])], tmp_path, 'valid', shard_size=3, shuffle=False, progress=False, format=fmt)
+    dls = FROM[fmt](tmp_path, vocab=VOCAB, label_offset=1, bs=4, size=8, device='cpu', seed=0, drop_last=False)
     assert sorted(flat(epoch_items(dls.train))) == list(range(8))
     learn = Learner(dls, tiny_model(len(VOCAB)), path=tmp_path)
     with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3)
@@ -96,16 +103,17 @@ def test_label_offset_and_fit(shards, tmp_path):
     assert preds.shape == (8, len(VOCAB)) and targs.tolist() == list(range(8))
 
 
-def test_folder_to_shards_round_trip(tmp_path):
+@pytest.mark.parametrize('fmt', list(FROM))
+def test_folder_to_shards_round_trip(tmp_path, fmt):
     "An ImageNet-style folder written with `folder_shards` gives the loaders the folder gives: same vocab, same validation batches"
     from PIL import Image
     for split,n in (('train', 6), ('valid', 3)):
         for k,c in enumerate(('cat', 'dog')):
             (tmp_path/'src'/split/c).mkdir(parents=True)
             for i in range(n): Image.fromarray(np.full((10, 12, 3), (40*i, 100*k, 50), np.uint8)).save(tmp_path/'src'/split/c/f'{i}.png')
-    folder_shards(tmp_path/'src', tmp_path/'out', shard_size=5, progress=False)
+    folder_shards(tmp_path/'src', tmp_path/'out', shard_size=5, progress=False, format=fmt)
     assert check_shards(tmp_path/'out', progress=False) == 18
     a = DaliDataLoaders.from_folder(tmp_path/'src', bs=3, size=8, device='cpu', seed=0)
-    b = DaliDataLoaders.from_webdataset(tmp_path/'out', bs=3, size=8, device='cpu', seed=0)
+    b = FROM[fmt](tmp_path/'out', bs=3, size=8, device='cpu', seed=0)
     assert a.vocab == b.vocab == ['cat', 'dog'] and len(a.train.items) == len(b.train.items) == 12
     for (x0,y0),(x1,y1) in zip(a.valid, b.valid): assert torch.equal(x0, x1) and torch.equal(y0, y1)
