@@ -1,6 +1,7 @@
 """One rank of a DDP run through fastai's `learn.distrib_ctx()` with `DaliDistributed`; writes what it saw as JSON.
 
 Run by tests/test_distributed.py on the CPU (gloo):  python -m torch.distributed.run --nproc_per_node 2 tests/ddp_worker.py OUT
+(and as two "nodes" of two processes: --nnodes 2 --node_rank 0|1 --master_addr 127.0.0.1, then --check OUT 4)
 On GPUs:  torchrun --nproc_per_node 2 tests/ddp_worker.py OUT --device gpu && python tests/ddp_worker.py --check OUT"""
 import argparse, json, math, os, sys, time
 from pathlib import Path
@@ -63,28 +64,32 @@ def main():
     (out/f'rank{rank}.json').write_text(json.dumps(res))
 
 
-def check(out:Path, n_train:int=61, n_valid:int=23, bs:int=4)->str:
-    "Assert what two ranks of `main` (with its defaults) saw, from their JSON files in `out`; a one-line summary"
-    a,b = [json.loads((Path(out)/f'rank{i}.json').read_text()) for i in (0, 1)]
-    assert a['lens'] == b['lens'] == [7, 3], "shards of 30 and 31: 7 full batches each; valid 3 batches each"
-    assert a['seed'] == b['seed'] is not None, "a seed drawn on rank 0 and shared"
+def check(out:Path, n_train:int=61, n_valid:int=23, bs:int=4, world:int=2)->str:
+    "Assert what the `world` ranks of `main` (with its defaults) saw, from their JSON files in `out`; a one-line summary"
+    from dali_fastai.loader import batches_per_rank
+    ranks = [json.loads((Path(out)/f'rank{i}.json').read_text()) for i in range(world)]
+    a = ranks[0]
+    lens = [batches_per_rank(n_train, bs, world, drop_last=True), batches_per_rank(n_valid, bs, world, pad=True)]
+    assert all(r['lens'] == lens for r in ranks), f"every rank {lens[0]} full training batches, {lens[1]} validation batches"
+    assert len({r['seed'] for r in ranks}) == 1 and a['seed'] is not None, "a seed drawn on rank 0 and shared"
     for e in range(2):
-        ta,tb = a['seen']['train'][e],b['seen']['train'][e]
-        assert len(ta) == len(tb) == 7*bs
-        assert len(set(ta + tb)) == 2*7*bs and set(ta + tb) <= set(range(n_train)), "disjoint shards, no repeats"
+        train = [r['seen']['train'][e] for r in ranks]
+        every = [i for t in train for i in t]
+        assert all(len(t) == lens[0]*bs for t in train)
+        assert len(set(every)) == len(every) and set(every) <= set(range(n_train)), "disjoint shards, no repeats"
         # validation batches are gathered: every rank sees every item once, in order
-        assert a['seen']['valid'][e] == b['seen']['valid'][e] == list(range(n_train, n_train + n_valid))
+        assert all(r['seen']['valid'][e] == list(range(n_train, n_train + n_valid)) for r in ranks)
     assert a['seen']['train'][0] != a['seen']['train'][1], "a new order every epoch"
-    assert a['targs'] == b['targs'] == list(range(n_train, n_train + n_valid)), "get_preds: every item, in order"
-    assert a['ddp_valid'] == b['ddp_valid']
-    assert a['after_ctx'] + b['after_ctx'] == n_valid, "right after the context, learn.dls still read the shards"
-    assert a['after_unshard'] == b['after_unshard'] == n_valid, "shard(0, 1) takes the whole set back"
+    assert all(r['targs'] == list(range(n_train, n_train + n_valid)) for r in ranks), "get_preds: every item, in order"
+    assert all(r['ddp_valid'] == a['ddp_valid'] for r in ranks)
+    assert sum(r['after_ctx'] for r in ranks) == n_valid, "right after the context, learn.dls still read the shards"
+    assert all(r['after_unshard'] == n_valid for r in ranks), "shard(0, 1) takes the whole set back"
     assert all(math.isclose(d, w, rel_tol=1e-5) for d,w in zip(a['ddp_valid'], a['whole_valid'])), "metrics of the whole validation set"
-    return (f"devices {a['device']}, {b['device']}; lens {a['lens']}; train items an epoch {len(set(ta + tb))} unique of "
-            f"{len(ta + tb)}; valid on both ranks = items {n_train}..{n_train + n_valid - 1} in order; "
+    return (f"{world} ranks, devices {[r['device'] for r in ranks]}; lens {lens}; train items an epoch {len(set(every))} unique of "
+            f"{len(every)}; valid on every rank = items {n_train}..{n_train + n_valid - 1} in order; "
             f"DDP valid {a['ddp_valid']} = one process {a['whole_valid']}")
 
 
 if __name__ == '__main__':
-    if sys.argv[1:2] == ['--check']: print(check(Path(sys.argv[2])))
+    if sys.argv[1:2] == ['--check']: print(check(Path(sys.argv[2]), world=int(sys.argv[3]) if len(sys.argv) > 3 else 2))
     else: main()

@@ -142,6 +142,22 @@ def test_two_processes_through_distrib_ctx(tmp_path):
     ddp_worker.check(tmp_path)
 
 
+def test_two_nodes_of_two_processes(tmp_path):
+    "Multi-node DDP as torchrun runs it, two 'nodes' on this host (gloo on the CPU): every item once per epoch across 4 ranks, validation metrics of the whole set"
+    pytest.importorskip('accelerate', reason="fastai's distrib_ctx needs accelerate (a dev dependency)")
+    with socket.socket() as s: s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]
+    env = {**os.environ, 'OMP_NUM_THREADS': '1'}
+    nodes = [subprocess.Popen([sys.executable, '-m', 'torch.distributed.run', '--nnodes', '2', '--node_rank', str(k),
+                               '--nproc_per_node', '2', '--master_addr', '127.0.0.1', '--master_port', str(port),
+                               str(HERE/'ddp_worker.py'), str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=env) for k in range(2)]
+    try: outs = [n.communicate(timeout=300) for n in nodes]
+    finally:
+        for n in nodes: n.kill()
+    assert all(n.returncode == 0 for n in nodes), '\n'.join(err[-2000:] for _,err in outs)
+    ddp_worker.check(tmp_path, world=4)
+
+
 # ---------------------------------------------------------------- resuming
 
 class Stop(Callback):

@@ -1,5 +1,6 @@
 """WebDataset and TFRecord shards: a folder written as shards reads back as the same items, labels and pixels; every record once per
 epoch over odd shard counts and batch sizes, on 1, 2 and 3 ranks; bad shards are named; resume; a Learner trains."""
+import os
 import numpy as np
 import pytest
 import torch
@@ -9,6 +10,7 @@ from dali_fastai.loader import DaliDataLoader
 from dali_fastai.shards import write_shards, folder_shards, check_shards, ShardItems
 from helpers import make_index_images, index_items, epoch_items, flat, decode_index, MAX_INDEX, assert_resume_replays, tiny_model
 
+DEVICE = os.environ.get('DALI_FASTAI_TEST_DEVICE', 'cpu')  # `make gpu-test` runs these on the GPU backend too
 N_TRAIN, N_VALID = 29, 11
 VOCAB = [str(i) for i in range(MAX_INDEX)]
 
@@ -32,7 +34,7 @@ def shards(tmp_path_factory, request):
 
 def loaders(shards, **kw):
     root,_,fmt = shards
-    return FROM[fmt](root, **{'bs': 4, 'size': 8, 'device': 'cpu', 'seed': 0, **kw})
+    return FROM[fmt](root, **{'bs': 4, 'size': 8, 'device': DEVICE, 'seed': 0, **kw})
 
 
 def test_every_record_once_with_its_label(shards):
@@ -48,7 +50,7 @@ def test_same_pixels_as_the_folder_loader(shards):
     "Without augmentation, the validation records are the validation files' pixels, batch for batch"
     files = shards[1]
     ours = loaders(shards).valid
-    folder = DaliDataLoader(index_items(files[N_TRAIN:]), bs=4, size=8, device='cpu')
+    folder = DaliDataLoader(index_items(files[N_TRAIN:]), bs=4, size=8, device=DEVICE)
     for (x0,y0),(x1,y1) in zip(ours, folder):
         assert torch.equal(x0, x1) and y0.tolist() == [int(v) for v in y1.tolist()]
 
@@ -83,9 +85,9 @@ def test_bad_shards_are_named(shards, tmp_path):
     (tmp_path/'vocab.txt').write_text('\n'.join(VOCAB))
     said = (r"cannot be read as a tar file .*truncated or damaged" if fmt == 'webdataset' else r"record 0 \(byte 0\) is cut short")
     with pytest.raises(ValueError, match=rf"shard .*train-000000.{sfx}: ?{said}" if fmt == 'tfrecord' else rf"shard .*train-000000.{sfx} {said}"):
-        FROM[fmt](tmp_path, valid=[sorted(root.glob(f'valid-*.{sfx}'))[0]], device='cpu')
-    with pytest.raises(ValueError, match=r"no shards"): FROM[fmt](tmp_path, train='none-*', device='cpu')
-    with pytest.raises(FileNotFoundError, match=r"no vocab.txt"): FROM[fmt](tmp_path/'x', device='cpu')
+        FROM[fmt](tmp_path, valid=[sorted(root.glob(f'valid-*.{sfx}'))[0]], device=DEVICE)
+    with pytest.raises(ValueError, match=r"no shards"): FROM[fmt](tmp_path, train='none-*', device=DEVICE)
+    with pytest.raises(FileNotFoundError, match=r"no vocab.txt"): FROM[fmt](tmp_path/'x', device=DEVICE)
 
 
 def test_label_offset_and_fit(shards, tmp_path):
@@ -95,7 +97,7 @@ def test_label_offset_and_fit(shards, tmp_path):
     root,files,fmt = shards
     write_shards([(f, i + 1) for i,f in enumerate(files[:8])], tmp_path, 'train', shard_size=3, progress=False, format=fmt)
     write_shards([(f, i + 1) for i,f in enumerate(files[:8])], tmp_path, 'valid', shard_size=3, shuffle=False, progress=False, format=fmt)
-    dls = FROM[fmt](tmp_path, vocab=VOCAB, label_offset=1, bs=4, size=8, device='cpu', seed=0, drop_last=False)
+    dls = FROM[fmt](tmp_path, vocab=VOCAB, label_offset=1, bs=4, size=8, device=DEVICE, seed=0, drop_last=False)
     assert sorted(flat(epoch_items(dls.train))) == list(range(8))
     learn = Learner(dls, tiny_model(len(VOCAB)), path=tmp_path)
     with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3)
@@ -113,7 +115,7 @@ def test_folder_to_shards_round_trip(tmp_path, fmt):
             for i in range(n): Image.fromarray(np.full((10, 12, 3), (40*i, 100*k, 50), np.uint8)).save(tmp_path/'src'/split/c/f'{i}.png')
     folder_shards(tmp_path/'src', tmp_path/'out', shard_size=5, progress=False, format=fmt)
     assert check_shards(tmp_path/'out', progress=False) == 18
-    a = DaliDataLoaders.from_folder(tmp_path/'src', bs=3, size=8, device='cpu', seed=0)
-    b = FROM[fmt](tmp_path/'out', bs=3, size=8, device='cpu', seed=0)
+    a = DaliDataLoaders.from_folder(tmp_path/'src', bs=3, size=8, device=DEVICE, seed=0)
+    b = FROM[fmt](tmp_path/'out', bs=3, size=8, device=DEVICE, seed=0)
     assert a.vocab == b.vocab == ['cat', 'dog'] and len(a.train.items) == len(b.train.items) == 12
     for (x0,y0),(x1,y1) in zip(a.valid, b.valid): assert torch.equal(x0, x1) and torch.equal(y0, y1)
