@@ -213,17 +213,15 @@ def check_shards(dest, # a folder of shards (`*.tar` or `*.tfrecord`)
 # %% ../nbs/03d_shards.ipynb #0f302b3a
 _DIGITS = 12  # longest `.cls` text read (digits, then e.g. a newline)
 
-def parse_label(cls:DataNode, # the `.cls` files' bytes, uint8
+def parse_label(cls:DataNode, # the `.cls` files' bytes, uint8: an integer's digits, then optionally whitespace
                 offset:int=0, # subtracted from every label (e.g. 1 for labels stored 1-based)
                )->DataNode: # int32 `[1]` per sample
-    "The integer a `.cls` file holds as text (its leading digits), in the graph"
-    b = fn.cast(fn.pad(cls, axes=[0], shape=[_DIGITS], fill_value=32), dtype=types.INT32) - 48  # ' ' pads: not a digit
-    v,more = 0,1
-    for i in range(_DIGITS):  # Horner's rule over the leading digits
-        d = b[i]
-        more = more * (d >= 0) * (d <= 9)
-        v = v + more*(v*9 + d)
-    return fn.reshape(fn.cast(v - offset, dtype=types.INT32), shape=[1])
+    "The integer a `.cls` file holds as text, in the graph: each digit times its power of ten, summed (a dozen vector operators a batch)"
+    d = fn.cast(fn.pad(cls, axes=[0], shape=[_DIGITS], fill_value=32), dtype=types.FLOAT) - 48.  # ' ' pads: not a digit
+    digit = fn.cast((d >= 0.) * (d <= 9.), dtype=types.FLOAT)
+    n = fn.reductions.sum(digit)  # the digits come first: their count sets the first one's power of ten
+    power = dmath.pow(10., (n - 1.) - types.Constant(np.arange(_DIGITS, dtype=np.float32)))
+    return fn.reshape(fn.cast(fn.reductions.sum(d * digit * power) - offset, dtype=types.INT32), shape=[1])
 
 # %% ../nbs/03d_shards.ipynb #4a3a3ce0
 class ShardItems(ImageItems):
