@@ -9,10 +9,11 @@ __all__ = ['BENCH_PHOTOS', 'COMPILED', 'LEFTOVER', 'bench_images', 'side_by_side
            'SyntheticLoader', 'learner_throughput', 'training_throughput', 'pipeline_memory', 'machine_info',
            'fastai_aug_tfms', 'fastai_default_dls', 'aug_transforms_dls', 'left_to_fastai', 'bench', 'compiled_summary',
            'format_results', 'save_results', 'plot_results', 'coco_dblock', 'camvid_dblock', 'voc_segmentation_dblock',
-           'task_bench', 'format_task', 'detection_bench', 'segmentation_bench']
+           'task_bench', 'format_task', 'detection_bench', 'segmentation_bench', 'scale_folder', 'scale_bench',
+           'format_scale']
 
 # %% ../nbs/05_bench.ipynb #77154514
-import gc, json, math, os, platform, statistics, time
+import gc, json, math, os, platform, shutil, statistics, time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -454,3 +455,67 @@ def segmentation_bench(root:str|Path|None=None, # Pascal VOC segmentation folder
     root = fashion_scenes(progress=False) if root is None else Path(root)
     learners = {a: (lambda dls, a=a: unet_learner(dls, getattr(torchvision.models, a), pretrained=False)) for a in archs}
     return task_bench('segmentation', voc_segmentation_dblock(root, size), root/'JPEGImages', learners, size, bs, target=4., **kwargs)
+
+# %% ../nbs/05_bench.ipynb #ae7350c2
+_SCALE_STEP = """
+import resource, sys, time
+from dali_fastai.data import DaliDataLoaders
+rss = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss/2**20
+base,t = rss(),time.perf_counter()
+dls = getattr(DaliDataLoaders, sys.argv[1])(sys.argv[2], bs=256, size=224, device='cpu')
+print(time.perf_counter() - t, rss(), rss() - base, len(dls.train.items) + len(dls.valid.items))
+"""
+
+def _scale_step(how:str, path, cache:Path)->dict:
+    "`DaliDataLoaders.<how>(path)` in a fresh process with `cache` as its cache folder: seconds (imports excluded), peak RSS in GiB (and what the call added to the imports' peak), items"
+    import subprocess, sys
+    r = subprocess.run([sys.executable, '-c', _SCALE_STEP, how, str(path)], capture_output=True, text=True,
+                       env={**os.environ, 'XDG_CACHE_HOME': str(cache)})
+    if r.returncode: raise RuntimeError(f"{how} over {path} failed: {r.stderr[-2000:]}")
+    secs,rss,added,n = r.stdout.split()[-4:]
+    return dict(seconds=round(float(secs), 2), rss_gib=round(float(rss), 3), added_gib=round(float(added), 3), items=int(n))
+
+def scale_folder(dest:Path, n:int, n_classes:int=1000)->Path:
+    "An ImageNet-style folder of `n` training and `n//50` validation files, each a hard link to one tiny JPEG"
+    if (dest/'.done').exists(): return dest
+    dest.mkdir(parents=True, exist_ok=True)
+    tiny = lambda i: dest/f'tiny{i // 50_000}.jpg'  # a file takes at most 65,000 links on ext4
+    for split,m in (('train', n), ('valid', max(n//50, n_classes))):
+        for c in range(n_classes): (dest/split/f'c{c:04d}').mkdir(parents=True, exist_ok=True)
+        for i in range(m):
+            if not tiny(i).exists(): Image.new('RGB', (8, 8), (90, 120, 150)).save(tiny(i), quality=90)
+            os.link(tiny(i), dest/split/f'c{i % n_classes:04d}'/f'{i:08d}.jpg')
+    (dest/'.done').touch()
+    return dest
+
+def scale_bench(sizes:tuple=(10_000, 100_000, 1_280_000), # training items of each measurement
+                dest:str|Path|None=None, # where the folders and shards go; default: `cache_dir()/'scale'`
+                formats:tuple=('webdataset', 'tfrecord'), # shard formats to measure
+               )->list: # a row a measurement
+    "Seconds and peak RSS of making loaders over folders and shards of each size: cold and cached; print the table"
+    from dali_fastai.shards import folder_shards
+    dest = Path(dest) if dest is not None else cache_dir()/'scale'
+    rows = []
+    for n in sizes:
+        root = scale_folder(dest/f'folder_{n}', n)
+        cache = dest/f'cache_{n}'
+        shutil.rmtree(cache, ignore_errors=True)
+        for state in ('cold', 'cached'): rows.append(dict(n=n, how='from_folder', state=state, **_scale_step('from_folder', root, cache)))
+        for fmt in formats:
+            shards = dest/f'{fmt}_{n}'
+            if not (shards/'vocab.txt').exists():
+                t = time.perf_counter(); folder_shards(root, shards, shard_size=10_000, format=fmt, progress=False)
+                rows.append(dict(n=n, how=f'write {fmt} shards', state='', seconds=round(time.perf_counter() - t, 2), rss_gib=None,
+                                 added_gib=None, items=None))
+            for idx in shards.glob('*.idx'): idx.unlink()
+            how = 'from_webdataset' if fmt == 'webdataset' else 'from_tfrecord'
+            for state in ('cold', 'cached'): rows.append(dict(n=n, how=how, state=state, **_scale_step(how, shards, cache)))
+        print(format_scale([r for r in rows if r['n'] == n]), flush=True)
+    return rows
+
+def format_scale(rows:list)->str:
+    "The scale rows as a table"
+    f = lambda v: '' if v is None else format(v, '.3f')
+    lines = [f"{'items':>10}  {'what':<24}{'state':<8}{'seconds':>9}{'peak RSS GiB':>14}{'added GiB':>11}"]
+    lines += [f"{r['n']:>10,}  {r['how']:<24}{r['state']:<8}{r['seconds']:>9.2f}{f(r['rss_gib']):>14}{f(r['added_gib']):>11}" for r in rows]
+    return '\n'.join(lines)

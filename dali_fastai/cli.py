@@ -9,7 +9,7 @@ __all__ = ['dataloaders_for', 'arch_by_name', 'fit_and_report', 'train', 'detect
            'segmentation_dataloaders', 'train_segmentation', 'parser', 'main']
 
 # %% ../nbs/06_cli.ipynb #09c440a1
-import argparse, http.client, sys, time
+import argparse, http.client, json, sys, time
 from pathlib import Path
 import torch
 import torchvision.models
@@ -23,7 +23,7 @@ from fastai.vision.augment import Resize, aug_transforms
 from fastai.vision.core import imagenet_stats
 from .datasets import fashion_mnist
 from .data import DaliDataLoaders
-from .bench import bench, bench_images, detection_bench, segmentation_bench, voc_segmentation_dblock, camvid_dblock
+from .bench import bench, bench_images, detection_bench, segmentation_bench, scale_bench, voc_segmentation_dblock, camvid_dblock
 from .detection import small_detector, detection_learner
 from .scenes import fashion_scenes
 from .translate import RandomBoxCrop
@@ -217,6 +217,9 @@ def parser()->argparse.ArgumentParser:
     b.add_argument('--workers', type=int, default=None, help="worker processes of fastai's loader (default: one per core)")
     b.add_argument('--n-per-class', type=int, default=500, help="images a class in the generated set (default: 500)")
     b.add_argument('--out', default='bench_results', help="folder for results.json and bench.png (default: bench_results)")
+    b.add_argument('--scale', action='store_true', help="instead: seconds and peak RSS of making loaders over folders and "
+                   "shards of --sizes items (files are hard links to one tiny JPEG; written under PATH or the cache)")
+    b.add_argument('--sizes', default='10000,100000,1280000', help="--scale: items, comma-separated (default: 10000,100000,1280000)")
     w = sub.add_parser('shards', help="write an image folder as WebDataset or TFRecord shards, or check shards",
                        description="Write SRC (ImageNet-style: train/<class>/*, valid/<class>/*) as shards in DEST "
                        "(train-*.tar and valid-*.tar, or train-*.tfrecord and valid-*.tfrecord; their DALI indexes; "
@@ -247,8 +250,13 @@ def _train(task:str, arch:str|None, valid_pct:float|None=None, pretrained:bool=F
     if task == 'segmentation': return train_segmentation(arch=arch or 'resnet34', **kwargs)
     return train_detection(arch=arch or 'fcos', box_crop=box_crop, **kwargs)
 
-def _bench(task:str, path, n_per_class:int, size:int|None, bs:int|None, archs:str|None, fastai_loader:bool, out:str, **kwargs):
-    "`bench`, `detection_bench` or `segmentation_bench`, each with its own defaults for what the command line leaves unset"
+def _bench(task:str, path, n_per_class:int, size:int|None, bs:int|None, archs:str|None, fastai_loader:bool, out:str,
+           scale:bool=False, sizes:str='', **kwargs):
+    "`bench`, `detection_bench`, `segmentation_bench` or `scale_bench`, each with its own defaults for what the command line leaves unset"
+    if scale:
+        rows = scale_bench(tuple(int(n) for n in sizes.split(',') if n), path)
+        Path(out).mkdir(parents=True, exist_ok=True); (Path(out)/'scale.json').write_text(json.dumps(rows, indent=1))
+        return rows
     other = task != 'classification'
     size,bs = size or (128 if other else 224),bs or (64 if other else 256)
     default = {'detection': 'fcos', 'segmentation': 'resnet34'}.get(task, 'resnet18,resnet50')
