@@ -479,12 +479,13 @@ def scale_folder(dest:Path, n:int, n_classes:int=1000)->Path:
     "An ImageNet-style folder of `n` training and `n//50` validation files, each a hard link to one tiny JPEG"
     if (dest/'.done').exists(): return dest
     dest.mkdir(parents=True, exist_ok=True)
-    tiny = lambda i: dest/f'tiny{i // 50_000}.jpg'  # a file takes at most 65,000 links on ext4
+    k = 0  # links made: a file takes at most 65,000 links on ext4, so a new tiny JPEG every 50,000
     for split,m in (('train', n), ('valid', max(n//50, n_classes))):
         for c in range(n_classes): (dest/split/f'c{c:04d}').mkdir(parents=True, exist_ok=True)
         for i in range(m):
-            if not tiny(i).exists(): Image.new('RGB', (8, 8), (90, 120, 150)).save(tiny(i), quality=90)
-            os.link(tiny(i), dest/split/f'c{i % n_classes:04d}'/f'{i:08d}.jpg')
+            tiny = dest/f'tiny{k // 50_000}.jpg'
+            if not tiny.exists(): Image.new('RGB', (8, 8), (90, 120, 150)).save(tiny, quality=90)
+            os.link(tiny, dest/split/f'c{i % n_classes:04d}'/f'{i:08d}.jpg'); k += 1
     (dest/'.done').touch()
     return dest
 
