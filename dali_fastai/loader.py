@@ -162,6 +162,8 @@ def category_target(labels:list|None, # class index of each item, `0 .. len(voca
     values = None if labels is None else TensorCategory(torch.tensor([int(l) for l in labels], dtype=torch.long))
     return Target(values, Pipeline([Categorize(vocab=list(vocab), sort=False)]))
 
+_PATH = type(Path())  # PosixPath or WindowsPath
+
 class ImageItems:
     "The image files a loader reads and their `Target`s: what fastai calls the dataset (`dls.train_ds`)"
     def __init__(self, files:list, # image paths
@@ -178,7 +180,8 @@ class ImageItems:
         for t in targets:
             if t.values is not None and len(t.values) != len(files):
                 raise ValueError(f"got {len(files)} files but {len(t.values)} targets in {t}: give one per file")
-        self.files,self.targets,self.checked,self.split_idx = [Path(f) for f in files],tuple(targets),checked,split_idx
+        files = [f if type(f) is _PATH else Path(f) for f in files]  # Path() of a Path parses it again: 1.28 M of them take seconds
+        self.files,self.targets,self.checked,self.split_idx = files,tuple(targets),checked,split_idx
         self.owner = owner
 
     @property
