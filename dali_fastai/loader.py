@@ -393,6 +393,8 @@ class DaliDataLoader:
         self.drop_last = train if drop_last is None else drop_last
         self.device = as_device(device)
         self.after_batch = _after_batch(self.recipes[0])
+        # the targets DALI reads from files of their own beside the images (masks), once: `_to_batch` needs them every batch
+        self._sides = [t for t in self.items.targets if t.side_files is not None]
         self._source = PipelineSource(['images', 'index'] + (['window', 'matrix'] if self._geometric else []) +
                                       [f'side{k}_{n}' for k,t in enumerate(self._sides) for n in t.side_names])
         self._epoch,self._epoch_no,self._taken_at_resume,self._peeks = None,0,0,0
@@ -440,11 +442,6 @@ class DaliDataLoader:
     def _geometric(self)->bool:
         "Whether a target follows the images' geometry (boxes, points): the pipeline then reports each sample's window and matrix"
         return any(getattr(t, 'geometric', False) for t in self.items.targets)
-
-    @property
-    def _sides(self)->list:
-        "The targets DALI reads from files of their own beside the images (masks), when the items are labelled"
-        return [t for t in self.items.targets if t.side_files is not None]
 
     @property
     def _box_files(self)->list|None:
