@@ -10,7 +10,7 @@ __all__ = ['BENCH_PHOTOS', 'COMPILED', 'LEFTOVER', 'bench_images', 'side_by_side
            'fastai_aug_tfms', 'fastai_default_dls', 'aug_transforms_dls', 'left_to_fastai', 'bench', 'compiled_summary',
            'format_results', 'save_results', 'plot_results', 'coco_dblock', 'camvid_dblock', 'voc_segmentation_dblock',
            'task_bench', 'format_task', 'detection_bench', 'segmentation_bench', 'scale_folder', 'scale_bench',
-           'format_scale']
+           'format_scale', 'shards_bench', 'format_shards']
 
 # %% ../nbs/05_bench.ipynb #77154514
 import gc, json, math, os, platform, shutil, statistics, time
@@ -520,3 +520,41 @@ def format_scale(rows:list)->str:
     lines = [f"{'items':>10}  {'what':<24}{'state':<8}{'seconds':>9}{'peak RSS GiB':>14}{'added GiB':>11}"]
     lines += [f"{r['n']:>10,}  {r['how']:<24}{r['state']:<8}{r['seconds']:>9.2f}{f(r['rss_gib']):>14}{f(r['added_gib']):>11}" for r in rows]
     return '\n'.join(lines)
+
+# %% ../nbs/05_bench.ipynb #f1f9cc94
+def shards_bench(path:str|Path|None=None, # ImageNet-style folder; default: `bench_images()`
+                 size:int=224, bs:int=256, # image side and batch size
+                 device:str|None=None, # 'cpu' or 'gpu'; default: the GPU if visible
+                 n_batches:int=30, warmup:int=5, passes:int=3, # timing, as in `bench`
+                 shard_size:int=500, # records a shard
+                 dest:str|Path|None=None, # where the shards go; default: `cache_dir()/'bench_shards'`
+                 **kwargs, # `DaliDataLoaders` options, for all three
+                )->dict: # the results
+    "Training loaders over a folder, its WebDataset shards and its TFRecord files: img/s side by side; print them"
+    from dali_fastai.shards import folder_shards
+    device,path = as_device(device),bench_images() if path is None else Path(path)
+    res = dict(machine=machine_info(device), settings=dict(path=str(path), size=size, bs=bs, n_batches=n_batches, warmup=warmup,
+               passes=passes, device=str(device), shard_size=shard_size), loader={})
+    dls = {'folder': DaliDataLoaders.from_folder(path, bs=bs, size=size, device=device, seed=0, **kwargs)}
+    for fmt,make in (('webdataset', DaliDataLoaders.from_webdataset), ('tfrecord', DaliDataLoaders.from_tfrecord)):
+        shards = (Path(dest) if dest is not None else cache_dir()/'bench_shards')/f'{path.name}_{_tree_key(path)}_{fmt}_{shard_size}'
+        if not (shards/'vocab.txt').exists(): folder_shards(path, shards, shard_size=shard_size, format=fmt)
+        dls[fmt] = make(shards, bs=bs, size=size, device=device, seed=0, **kwargs)
+    res['loader'] = side_by_side({k: d.train for k,d in dls.items()}, device, n_batches, warmup, passes)
+    print(format_shards(res))
+    return res
+
+def _tree_key(path:Path)->str:
+    "A short key of a folder's files (names, sizes, times): shards written from it are stale once it changes"
+    import hashlib
+    h = hashlib.sha1()
+    for f in sorted(path.rglob('*')):
+        if f.is_file(): st = f.stat(); h.update(f'{f.relative_to(path)} {st.st_size} {st.st_mtime_ns}'.encode())
+    return h.hexdigest()[:10]
+
+def format_shards(res:dict)->str:
+    "The shard rows as lines, each with its rate over the folder's"
+    s,L = res['settings'],res['loader']
+    lines = [f"training loaders, {s['size']}px, bs {s['bs']}, shards of {s['shard_size']}, median of {s['passes']} passes of "
+             f"{s['n_batches']} batches, device {s['device']}"]
+    return '\n'.join(lines + [f"{k:<12}{v:>10,.0f} img/s  {_ratio(v, L['folder'])} the folder's" for k,v in L.items()])

@@ -23,7 +23,8 @@ from fastai.vision.augment import Resize, aug_transforms
 from fastai.vision.core import imagenet_stats
 from .datasets import fashion_mnist
 from .data import DaliDataLoaders
-from .bench import bench, bench_images, detection_bench, segmentation_bench, scale_bench, voc_segmentation_dblock, camvid_dblock
+from .bench import (bench, bench_images, detection_bench, segmentation_bench, scale_bench, shards_bench,
+                               voc_segmentation_dblock, camvid_dblock)
 from .detection import small_detector, detection_learner
 from .scenes import fashion_scenes
 from .translate import RandomBoxCrop
@@ -203,8 +204,9 @@ def parser()->argparse.ArgumentParser:
     b = sub.add_parser('bench', help="measure loader and training throughput side by side", description=bench.__doc__)
     b.add_argument('path', nargs='?', default=None, help="ImageNet-style folder; default: a set made from scikit-image's "
                    "sample photos (see --n-per-class); detection: a COCO folder, default the embedded scenes")
-    b.add_argument('--task', choices=['classification', 'detection', 'segmentation'], default='classification',
-                   help="classification, or detection or segmentation: DALI's loader beside fastai's on one DataBlock")
+    b.add_argument('--task', choices=['classification', 'detection', 'segmentation', 'shards'], default='classification',
+                   help="classification, or detection or segmentation: DALI's loader beside fastai's on one DataBlock; shards: "
+                   "the folder's loader beside loaders over its WebDataset and TFRecord shards")
     b.add_argument('--size', type=int, default=None, help="image side in pixels (default: 224; detection, segmentation: 128)")
     b.add_argument('--bs', type=int, default=None, help="batch size (default: 256; detection, segmentation: 64)")
     b.add_argument('--device', choices=['cpu', 'gpu'], default=None, help="default: the GPU if one is visible")
@@ -257,6 +259,11 @@ def _bench(task:str, path, n_per_class:int, size:int|None, bs:int|None, archs:st
         rows = scale_bench(tuple(int(n) for n in sizes.split(',') if n), path)
         Path(out).mkdir(parents=True, exist_ok=True); (Path(out)/'scale.json').write_text(json.dumps(rows, indent=1))
         return rows
+    if task == 'shards':
+        kwargs.pop('workers', None)
+        res = shards_bench(path if path is not None else bench_images(n_per_class=n_per_class), size or 224, bs or 256, **kwargs)
+        Path(out).mkdir(parents=True, exist_ok=True); (Path(out)/'shards.json').write_text(json.dumps(res, indent=1))
+        return res
     other = task != 'classification'
     size,bs = size or (128 if other else 224),bs or (64 if other else 256)
     default = {'detection': 'fcos', 'segmentation': 'resnet34'}.get(task, 'resnet18,resnet50')

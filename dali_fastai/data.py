@@ -8,7 +8,7 @@ Docs: https://dali-fastai.github.io/dali_fastai/data.html.md"""
 __all__ = ['label_targets', 'dblock_items', 'box_items', 'image_file', 'InMemoryImages', 'DaliDataLoaders']
 
 # %% ../nbs/03a_data.ipynb #92089cf3
-import tempfile, warnings
+import os, tempfile, warnings
 from pathlib import Path
 import pandas as pd
 from PIL import Image
@@ -22,11 +22,11 @@ from fastai.data.core import DataLoaders, TfmdLists
 from fasttransform import Pipeline
 from fastcore.basics import noop
 from fastai.data.transforms import (Categorize, MultiCategorize, RandomSplitter, GrandparentSplitter, RegexLabeller,
-                                    ColReader, get_image_files, parent_label, ToTensor, IntToFloatTensor)
+                                    ColReader, get_image_files, image_extensions, parent_label, ToTensor, IntToFloatTensor)
 from fastai.vision.core import PILBase, PILImage, PILMask, TensorBBox, TensorPoint, PointScaler, BBoxLabeler, AddMaskCodes
 from fastai.vision.data import bb_pad
 from .files import image_format, DECODABLE
-from .loader import DaliDataLoader, ImageItems, Target, usable_items
+from .loader import DaliDataLoader, ImageItems, Target, bad_files
 from .targets import Ragged, BoxTarget, BoxLabelTarget, PointTarget
 from .masks import MaskTarget
 from .shards import ShardItems, TFRecordItems, IMAGE_EXTS
@@ -69,12 +69,24 @@ def _check_files(files, where):
 
 def _check_class_folders(path, splits, files):
     "Raise if a class folder under `path/<split>` holds no image: it would silently not be a class"
-    found = {f.parent for f in files}
-    empty = [d for s in splits if (path/s).is_dir() for d in sorted((path/s).iterdir()) if d.is_dir() and d not in found]
+    found = {os.path.dirname(f) for f in map(str, files)}  # text, not `Path.parent`: a million files take a second less
+    empty = [d for s in splits if (path/s).is_dir() for d in sorted((path/s).iterdir()) if d.is_dir() and str(d) not in found]
     if empty:
         names = [str(d.relative_to(path)) for d in empty]
         raise ValueError(f"class folder(s) with no images: {names[:5]}{' ...' if len(names) > 5 else ''}: add images "
                          "to them or remove them")
+
+def _folder_files(path:Path, # the dataset's root
+                  folders:list, # its top-level folders to read (`train`, `valid`)
+                 )->list: # `[(folder, [image Paths]), ...]`
+    "fastai's `get_image_files(path, folders=folders)` a folder at a time: the same files in the same order"
+    exts,res = {e.lower() for e in image_extensions},[]
+    for i,(p,d,fs) in enumerate(os.walk(path, followlinks=True)):
+        d[:] = [o for o in d if o in folders] if i == 0 else [o for o in d if not o.startswith('.')]
+        if i == 0 and '.' not in folders: continue
+        p = Path(p)
+        res.append((p, [p/f for f in fs if not f.startswith('.') and f'.{f.split(".")[-1].lower()}' in exts]))
+    return res
 
 def _column(df:pd.DataFrame, col)->list:
     "The values of column `col`, a name or a position (as fastai's `ColReader`)"
@@ -89,9 +101,8 @@ def _labels(df:pd.DataFrame, label_col, label_delim:str|None)->list:
 
 def _usable_splits(train:ImageItems, valid:ImageItems, path, skip_bad_files:bool)->tuple:
     "Both splits checked in one `check_images` call: one error, or one warning"
-    both = usable_items(ImageItems([*train.files, *valid.files]), skip_bad_files, root=path)
-    ok = {str(f) for f in both.files}
-    res = tuple(items.subset([i for i,f in enumerate(items.files) if str(f) in ok], checked=True) for items in (train, valid))
+    bad = bad_files([*train.files, *valid.files], skip_bad_files, root=path)
+    res = tuple(items.without(bad) if bad else items.marked_checked() for items in (train, valid))
     _check_files(res[0].files, 'the training set, once the bad files are left out')
     _check_files(res[1].files, 'the validation set, once the bad files are left out')
     return res
@@ -323,17 +334,19 @@ class DaliDataLoaders(DataLoaders):
             _check_class_folders(path, [train] if root != path else ['.'], files)
             return cls.from_lists(path, files, [f.parent.name for f in files], valid_pct=valid_pct, seed=seed,
                                   vocab=vocab, **kwargs)
-        files = get_image_files(path, folders=[train, valid])
-        # fastai's GrandparentSplitter and parent_label, on the Paths get_image_files gives (they Path() each file again: seconds at 1.28 M)
-        t = [i for i,f in enumerate(files) if f.parent.parent.name == train]
-        v = [i for i,f in enumerate(files) if f.parent.parent.name == valid]
+        by_folder = _folder_files(path, [train, valid])
+        files = L(f for _,fs in by_folder for f in fs)
+        # fastai's GrandparentSplitter and parent_label, read once a folder (they Path() each file again: seconds at 1.28 M)
+        names = [(p.parent.name, p.name) for p,fs in by_folder for _ in fs]
+        t = [i for i,(g,_) in enumerate(names) if g == train]
+        v = [i for i,(g,_) in enumerate(names) if g == valid]
         _check_files(t, str(path/train) + (' (a folder of class folders with no train/ and valid/: pass valid_pct=0.2)'
                                            if not (path/train).is_dir() else ''))
         _check_files(v, str(path/valid) + (' (no valid/ folder: pass valid_pct=0.2 to hold out images of train/)'
                                            if not (path/valid).is_dir() else ''))
         _check_class_folders(path, [train, valid], files)
-        return cls.from_splits(path, files[t], [f.parent.name for f in files[t]],
-                               files[v], [f.parent.name for f in files[v]], vocab=vocab, seed=seed, **kwargs)
+        return cls.from_splits(path, files[t], [names[i][1] for i in t], files[v], [names[i][1] for i in v], vocab=vocab,
+                               seed=seed, **kwargs)
 
     @classmethod
     def from_name_func(cls, path, fnames:list, label_func, # function from a path to its label

@@ -9,7 +9,7 @@ __all__ = ['SIGNATURES', 'UNSUPPORTED', 'DECODABLE', 'image_format', 'check_imag
            'describe_bad', 'bad_files_message']
 
 # %% ../nbs/02a_files.ipynb #37e69e0b
-import hashlib, json, os, tempfile, warnings
+import hashlib, json, os, tempfile, time, warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from PIL import Image
@@ -98,36 +98,52 @@ def _stat_key(f):
     except OSError: return None
     return [st.st_size, st.st_mtime_ns]
 
-def _check_chunk(files, known, full):
-    "`(file, stat key, reason, checked now)` for each of `files`, reusing `known` verdicts whose stat key matches"
-    res = []
-    for f in files:
-        key,hit = _stat_key(f),known.get(f)
-        if key is not None and hit is not None and hit[:2] == key: res.append((f, key, hit[2], False)); continue
-        reason = check_image(f)
-        if reason is None and full: reason = decode_image(f)
-        res.append((f, key, reason, True))
+def _folders(files:list)->dict:
+    "The indices of `files` by absolute folder (`abspath` once a folder, not once a file)"
+    by_text,res = {},{}
+    for i,f in enumerate(files): by_text.setdefault(f[:f.rfind(os.sep) + 1], []).append(i)  # 'a/b.jpg' -> 'a/', 'b.jpg' -> ''
+    for d,idx in by_text.items(): res.setdefault(os.path.abspath(d), []).extend(idx)
     return res
 
-def _by_folder(files):
-    groups = {}
-    for f in files: groups.setdefault(os.path.dirname(os.path.abspath(f)), []).append(f)
-    return groups
+def _cached_verdicts(files:list, idx:list, saved:dict)->tuple:
+    "One folder's files `idx`: (`(index, reason)` of the bad ones `saved` knows, `(index, stat key)` of those to check)"
+    bad,todo = [],[]
+    for i in idx:
+        key,hit = _stat_key(files[i]),saved.get(os.path.basename(files[i]))
+        if key is not None and hit is not None and hit[:2] == key:
+            if hit[2] is not None: bad.append((i, hit[2]))
+        else: todo.append((i, key))
+    return bad,todo
 
-def _cached(folder, files):
-    "The cached verdicts of `files`, by path"
-    known = {}
-    for d,fs in _by_folder(files).items():
-        saved = _load(_cache_file(folder, d))
-        known.update({f: saved[os.path.basename(f)] for f in fs if os.path.basename(f) in saved})
-    return known
+def _check_chunk(files:list, todo:list, full:bool)->list:
+    "`(index, stat key, reason)` for each `(index, stat key)` of `todo`, the file checked now"
+    res = []
+    for i,key in todo:
+        reason = check_image(files[i])
+        if reason is None and full: reason = decode_image(files[i])
+        res.append((i, key, reason))
+    return res
 
-def _store(folder, results):
-    "Add `(file, key, reason)` verdicts to the cache of each file's folder"
-    for d,rs in _by_folder([r[0] for r in results]).items():
-        new = {r[0]: r for r in results}
+def _store(folder, files:list, results:list):
+    "Add `(index, stat key, reason)` verdicts to the cache of each file's folder"
+    by_folder = {}
+    for d,idx in _folders([files[i] for i,_,_ in results]).items():
+        by_folder[d] = {os.path.basename(files[results[k][0]]): [*results[k][1], results[k][2]] for k in idx}
+    for d,new in by_folder.items():
         path = _cache_file(folder, d)
-        _save(path, {**_load(path), **{os.path.basename(f): [*new[f][1], new[f][2]] for f in rs}})
+        _save(path, {**_load(path), **new})
+
+_SLOW_STAT = 20e-6  # seconds a file: slower cache lookups wait on the file system (a network one), and threads overlap the waits
+
+def _lookups(files:list, groups:dict, saved, workers:int)->list:
+    "`_cached_verdicts` of each folder: in this thread while `os.stat` answers from memory (threads would only fight over the GIL), in `workers` threads once it waits"
+    look = lambda d_idx: _cached_verdicts(files, d_idx[1], saved(d_idx[0]))
+    res,n,start,rest = [],0,time.perf_counter(),iter(groups.items())
+    for d_idx in rest:
+        res.append(look(d_idx)); n += len(d_idx[1])
+        if n >= 1000 and (time.perf_counter() - start)/n > _SLOW_STAT:
+            with ThreadPoolExecutor(workers) as ex: res += ex.map(look, rest)
+    return res
 
 def check_images(files:list, # image paths
                  workers:int|None=None, # threads; default: 4 per core, at most 32 (the work waits on the disk)
@@ -135,17 +151,18 @@ def check_images(files:list, # image paths
                  full:bool=False, # also decode every file with PIL (slow; finds files broken in the middle, and caches them)
                 )->list: # `(file, reason)` for each bad file, in the order of `files`
     "Check `files` in parallel with `check_image`, skipping files whose size and mtime match the cache"
-    files = [str(f) for f in files]
+    files = [f if type(f) is str else str(f) for f in files]
     if not files: return []
     folder = None if cache is False else cache_dir() if cache is True else Path(cache)
-    known = {} if folder is None or full else _cached(folder, files)  # `full`: decode every file, cached or not
     workers = workers or min(32, 4*(os.cpu_count() or 1))
-    chunks = [files[i:i+512] for i in range(0, len(files), 512)]
+    saved = lambda d: {} if folder is None or full else _load(_cache_file(folder, d))  # `full`: decode every file, cached or not
+    bad,todo = [],[]
+    for b,t in _lookups(files, _folders(files), saved, workers): bad += b; todo += t  # only the bad files and the new ones stay
     with ThreadPoolExecutor(workers) as ex:
-        results = [r for c in ex.map(lambda c: _check_chunk(c, known, full), chunks) for r in c]
-    fresh = [(f, key, reason) for f,key,reason,new in results if new and key is not None]
-    if folder is not None and fresh: _store(folder, fresh)
-    return [(f, reason) for f,_,reason,_ in results if reason is not None]
+        chunks = [todo[k:k+512] for k in range(0, len(todo), 512)]
+        checked = [r for c in ex.map(lambda c: _check_chunk(files, c, full), chunks) for r in c]
+    if folder is not None: _store(folder, files, [r for r in checked if r[1] is not None])
+    return [(files[i], reason) for i,reason in sorted(bad + [(i, r) for i,_,r in checked if r is not None])]
 
 # %% ../nbs/02a_files.ipynb #23f7f961
 def describe_bad(bad:list, # `(file, reason)` pairs from `check_images`

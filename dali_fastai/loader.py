@@ -6,11 +6,11 @@ Docs: https://dali-fastai.github.io/dali_fastai/loader.html.md"""
 
 # %% auto #0
 __all__ = ['FULL_CHECK_LIMIT', 'AUG_OPTIONS', 'n_batches', 'shard_sizes', 'batches_per_rank', 'interleaved_order', 'as_device',
-           'dali_device_id', 'DaliNormalize', 'Target', 'category_target', 'ImageItems', 'usable_items', 'DaliEpoch',
-           'derived_seed', 'PipelineSource', 'DaliDataLoader']
+           'dali_device_id', 'DaliNormalize', 'Target', 'category_target', 'ImageItems', 'bad_files', 'usable_items',
+           'DaliEpoch', 'derived_seed', 'PipelineSource', 'DaliDataLoader']
 
 # %% ../nbs/03_loader.ipynb #20a7e3fb
-import base64, inspect, os, re, warnings
+import base64, copy, inspect, os, re, warnings
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -115,6 +115,9 @@ class Target:
                tfms:list, # fastai transforms turning one of them into a tensor, set up on `objs` as fastai's `Datasets` does
               ):
         "The `Target` fastai's `tfms` make of `objs`"
+        if len(L(tfms)) == 1 and type(L(tfms)[0]) is Categorize:  # set up on the labels at once, not through a `TfmdLists` item by item
+            pipe = Pipeline(tfms); pipe.setup(list(objs))
+            return cls(None, pipe).encode_like(objs)
         return cls(None, TfmdLists(objs, tfms).tfms).encode_like(objs)
 
     def encode_like(self, objs:list # raw targets of other items (e.g. the validation set's)
@@ -217,6 +220,10 @@ class ImageItems:
                ):
         "These items less the files in `bad`, marked checked"
         return self.subset([i for i,f in enumerate(self.files) if str(f) not in bad], checked=True)
+    def marked_checked(self):
+        "These items, marked as having passed `check_images` (the same files and targets, not copied)"
+        res = copy.copy(self); res.checked = True
+        return res
     def new(self, files:list, # other image paths
             owner=None, # what the files live as long as
            ):
@@ -239,16 +246,24 @@ def _is_decode_failure(e:Exception)->bool:
     "Whether `e` is DALI failing to read or decode a file (its message names the operator)"
     return bool(_DECODE_FAILURE.search(str(e)))
 
+def bad_files(files:list, # image paths
+              skip_bad_files:bool=False, # warn once about the bad files, instead of raising
+              root=None, # name files relative to this folder in messages
+             )->set: # the bad files, as `str` paths
+    "The files `check_images` finds bad: a `ValueError` naming them, or one warning listing those left out"
+    bad = check_images(files)
+    if bad and not skip_bad_files: raise ValueError(bad_files_message(bad, root))
+    if bad: warnings.warn(f"skip_bad_files=True: leaving out {len(bad)} file(s) that cannot be decoded: {describe_bad(bad, root, 20)}")
+    return {f for f,_ in bad}
+
 def usable_items(items:ImageItems, # the items to check
                  skip_bad_files:bool=False, # leave bad files out with one warning, instead of raising
                  root=None, # name files relative to this folder in messages
                 )->ImageItems: # `items` without the bad files, marked checked
     "`items` checked with `check_images`: a `ValueError` naming the bad files, or one warning listing those left out"
     if items.checked or len(items) == 0: return items
-    bad = check_images(items.files)
-    if bad and not skip_bad_files: raise ValueError(bad_files_message(bad, root))
-    if bad: warnings.warn(f"skip_bad_files=True: leaving out {len(bad)} file(s) that cannot be decoded: {describe_bad(bad, root, 20)}")
-    return items.without({f for f,_ in bad})
+    bad = bad_files(items.files, skip_bad_files, root)
+    return items.without(bad) if bad else items.marked_checked()
 
 # %% ../nbs/03_loader.ipynb #30b0ce31
 class DaliEpoch:

@@ -10,7 +10,7 @@ __all__ = ['IMAGE_EXTS', 'SHARD_FORMATS', 'shard_index', 'index_count', 'check_i
            'tfrecord_index', 'TFRecordItems']
 
 # %% ../nbs/03d_shards.ipynb #4c7d1343
-import io, os, random, struct, tarfile
+import io, mmap, os, random, struct, tarfile
 from pathlib import Path
 import numpy as np
 from nvidia.dali import fn, types
@@ -26,22 +26,91 @@ def _split(name:str)->tuple:
     d = name.find('.', name.rfind('/') + 1)
     return (name, '') if d < 0 else (name[:d], name[d + 1:])
 
-def _samples(tar:Path)->list:
-    "Each sample's files in order: `[(key, [(ext, data offset, size, name), ...]), ...]`; raise naming the shard if it cannot be read"
-    res,last,size = [],None,os.path.getsize(tar)
+def _number(field:bytes)->int:
+    "A tar header's number field: octal text, or big-endian base-256 when its first byte has the top bit set (GNU, large files)"
+    return int.from_bytes(field[1:], 'big') if field[0] & 0x80 else int(field.strip(b' \0') or b'0', 8)
+
+def _pax(data:bytes)->dict:
+    "The `path` and `size` records of a pax extended header (`<length> <key>=<value>\\n` records); the others do not move a file"
+    res,i = {},0
+    while i < len(data):
+        n,_,rest = data[i:i + 32].partition(b' ')
+        if not n.isdigit(): raise ValueError(f"bad pax record at {i}")
+        key,_,_ = rest.partition(b'=')
+        if key in (b'path', b'size'): res[key.decode()] = data[i + len(n) + len(key) + 2:i + int(n) - 1].decode('utf-8', 'surrogateescape')
+        i += int(n)
+    return res
+
+_FILE, _OLD_FILE, _CONTIGUOUS, _PAX, _GLOBAL, _LONG_NAME = b'0\x007xgL'  # tar's type flags ('\0': pre-POSIX regular file)
+
+class _NotUstar(ValueError): "The file does not start with a ustar header: another tar dialect, or not a tar file"
+
+class _Cut(ValueError):
+    "A damaged or truncated tar: `members` are the files read whole before the damage"
+    def __init__(self, msg:str, members:list): super().__init__(msg); self.members = members
+
+def _plain_members(tar:Path)->list:
+    "`(name, data offset, size)` of each file of a ustar/pax/GNU tar, from its headers alone (a memory map, one pass)"
+    out,size = [],os.path.getsize(tar)
+    if size == 0: return out
+    with open(tar, 'rb') as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        off,pax,long = 0,{},None
+        while off + 512 <= size:
+            h = m[off:off + 512]
+            if h[257:262] != b'ustar':
+                if h.count(0) == 512: break  # the end-of-archive blocks
+                if off == 0: raise _NotUstar("no ustar header at byte 0")
+                raise _Cut(f"no tar header at byte {off}", out)
+            kind,data = h[156],off + 512
+            n = int(h[124:136].strip(b' \0') or b'0', 8) if h[124] < 0x80 else _number(h[124:136])
+            if kind == _PAX:
+                ext = m[data:data + n]
+                pax = _pax(ext) if b'path=' in ext or b'size=' in ext else {}
+            elif kind == _LONG_NAME: long = m[data:data + n].rstrip(b'\0').decode('utf-8', 'surrogateescape')
+            elif kind != _GLOBAL:
+                if pax: n = int(pax.get('size', n))
+                if kind == _FILE or kind == _OLD_FILE or kind == _CONTIGUOUS:
+                    name = pax.get('path') or long
+                    if name is None:
+                        name = h[:100].split(b'\0', 1)[0].decode('utf-8', 'surrogateescape')
+                        if h[345] and h[257:263] == b'ustar\0':  # POSIX ustar splits a long name into prefix/name
+                            name = h[345:500].split(b'\0', 1)[0].decode('utf-8', 'surrogateescape') + '/' + name
+                    if data + n > size: raise _Cut(f"{name} ends past the end of the file", out)
+                    out.append((name, data, n))
+                if pax or long: pax,long = {},None
+            off = data + (n + 511) // 512 * 512
+        if off > size or off < size and m[off:].count(0) != size - off or pax or long: raise _Cut(f"the file is cut short at byte {off}", out)
+    return out
+
+def _tarfile_members(tar:Path)->list:
+    "`(name, data offset, size)` of each file, read by Python's `tarfile` (every tar dialect, a truncated one less strictly)"
+    out,size = [],os.path.getsize(tar)
+    with tarfile.open(tar, 'r:') as t:
+        for m in t:
+            if not m.isfile(): continue
+            if m.offset_data + m.size > size: raise _Cut(f"{m.name} ends past the end of the file", out)
+            out.append((m.name, m.offset_data, m.size))
+    return out
+
+def _members(tar:Path)->list:
+    "`(name, data offset, size)` of each file of a tar; raise naming the shard and the last sample read whole if it is damaged"
     try:
-        with tarfile.open(tar, 'r:') as t:
-            for m in t:
-                if not m.isfile() or Path(m.name).name.startswith('.'): continue
-                key,ext = _split(m.name)
-                if not res or res[-1][0] != key: res.append((key, []))
-                res[-1][1].append((ext, m.offset_data, m.size, m.name))
-                last = key
-                if m.offset_data + m.size > size: raise tarfile.ReadError(f"{m.name} ends past the end of the file")
-    except (tarfile.TarError, OSError, EOFError) as e:
-        where = f"after sample {last!r}" if last else "before its first sample"
-        raise ValueError(f"shard {tar} cannot be read as a tar file {where} ({type(e).__name__}: {e}): it is truncated "
-                         "or damaged; write it again (dali-fastai shards)") from None
+        try: return _plain_members(tar)
+        except _NotUstar: return _tarfile_members(tar)
+    except (_Cut, tarfile.TarError, OSError, EOFError) as e:
+        read = getattr(e, 'members', [])
+        where = f"after sample {_split(read[-1][0])[0]!r}" if read else "before its first sample"
+        raise ValueError(f"shard {tar} cannot be read as a tar file {where} ({e}): it is truncated or damaged; "
+                         "write it again (dali-fastai shards)") from None
+
+def _samples(tar:Path)->list:
+    "Each sample's files in order: `[(key, [(ext, data offset, size, name), ...]), ...]`"
+    res = []
+    for name,off,n in _members(tar):
+        if name.rpartition('/')[2].startswith('.'): continue  # hidden files are not samples (DALI and wds2idx skip them)
+        key,ext = _split(name)
+        if not res or res[-1][0] != key: res.append((key, []))
+        res[-1][1].append((ext, off, n, name))
     return res
 
 def _index_of(shard, # a shard file
@@ -87,7 +156,7 @@ def check_index(index, # a shard's index
         for line in f:
             t = line.split()
             exts,names = set(t[0::4]),t[3::4]
-            missing = ([f"an image ({image_ext.replace(';', ', ')})"] if not exts & want else []) + ([label_ext] if label_ext not in exts else [])
+            missing = ([f"image ({image_ext.replace(';', ', ')})"] if not exts & want else []) + ([f"label ({label_ext})"] if label_ext not in exts else [])
             if missing: raise ValueError(f"shard {shard}: sample {_split(names[0])[0]!r} has no {' and no '.join(missing)} file: "
                                          "write the shard again without it (dali-fastai shards)")
 
