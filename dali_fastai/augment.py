@@ -6,13 +6,15 @@ Docs: https://dali-fastai.github.io/dali_fastai/augment.html.md"""
 
 # %% auto #0
 __all__ = ['hw', 'warp_matrix', 'synthetic_warps', 'flip_matrix', 'rotation_matrix', 'compose_matrices', 'coin', 'maybe',
-           'random_warp_node', 'rotation_node', 'affine_steps', 'subset_products', 'subset_probabilities',
-           'subset_product_node', 'combine_steps', 'warp', 'lighting']
+           'random_warp_node', 'random_warps_node', 'rotation_node', 'affine_steps', 'subset_products',
+           'subset_probabilities', 'subset_product_node', 'combine_steps', 'warp', 'lighting']
 
 # %% ../nbs/01_augment.ipynb #ee53299a
 import numpy as np
+import torch
 from nvidia.dali import fn, types
 from nvidia.dali.data_node import DataNode
+from .draws import HostDraws
 
 # %% ../nbs/01_augment.ipynb #68b7e5e6
 def hw(size:int|tuple, # an int (a square side) or `(h, w)`, in pixels, as fastai's `size`
@@ -99,6 +101,27 @@ def random_warp_node(size:int|tuple, # side of a square image, or `(h, w)`, in p
     sx,sy = (2*x, 2*y) if h == w else (2*x*(w/h), 2*y*(h/w))  # no extra operators for squares: their graph is unchanged
     return fn.reshape(fn.stack(1 + 2*x, sx, -x*w, sy, 1 + 2*y, -y*h), shape=[2, 3])
 
+def random_warps_node(size:int|tuple, # side of a square image, or `(h, w)`, in pixels
+                      n:int, # warps a sample
+                      magnitude:float, # x and y of each are drawn from U(-magnitude, magnitude)
+                      p:float, # probability of each warp, drawn per warp per sample
+                     )->DataNode: # per-sample 2×3 destination → source map: the product of the `n`
+    "`n` of `random_warp_node`'s warps composed, each kept with probability `p`, drawn on the host for the whole batch: one operator, not a dozen a warp"
+    if not 0 <= p <= 1: raise ValueError(f"probabilities must be between 0 and 1, got {p}")
+    h,w = hw(size)
+    def draw(bs:int)->torch.Tensor:
+        x,y = ((torch.rand(bs, n, 2)*2 - 1)*magnitude*(torch.rand(bs, n, 1) < p)).unbind(-1)  # (0, 0): the identity
+        m = torch.zeros(bs, n, 3, 3)
+        m[..., 0, 0],m[..., 0, 1],m[..., 0, 2] = 1 + 2*x,2*x*w/h,-x*w
+        m[..., 1, 0],m[..., 1, 1],m[..., 1, 2] = 2*y*h/w,1 + 2*y,-y*h
+        m[..., 2, 2] = 1
+        res = m[:, 0]
+        for k in range(1, n): res = res @ m[:, k]  # as `compose_matrices`: warp k, then warp k+1
+        return res[:, :2]
+    draws = HostDraws()
+    draws.add(draw, alone=True)
+    return draws.nodes()[0]
+
 def rotation_node(size:int|tuple, # side of a square image, or `(h, w)`, in pixels
                   rotate_range:tuple, # (min, max) angle in degrees, counter-clockwise
                   c:DataNode, # per-sample 0/1 coin: 0 gives the identity
@@ -120,7 +143,7 @@ def affine_steps(size:int|tuple, # side of a square image, or `(h, w)`, in pixel
                  random_warps:int=0, # number of random warps per sample instead of `warps`
                  warp_magnitude:float=0.1, # range of x, y for random warps
                  p_warp:float=0.025, # probability of each warp, drawn per warp per sample
-                 fold:bool=False, # draw the vertical flip and the fixed warps together as one `subset_product_node`
+                 fold:bool=False, # draw the vertical flip and the fixed warps together as one `subset_product_node`, the random warps as one `random_warps_node`
                 )->list: # per-sample 2×3 destination → source maps, in the order they apply
     "The article's geometric augmentations as per-sample matrices: vertical flip, warps, rotate, horizontal flip"
     fixed = [(flip_matrix(size, horizontal=False, vertical=True), p_vflip)] if p_vflip > 0 else []
@@ -128,7 +151,8 @@ def affine_steps(size:int|tuple, # side of a square image, or `(h, w)`, in pixel
         fixed += [(warp_matrix(float(x), float(y), size), p_warp) for x,y in warps]
     if fold and len(fixed) > 1: steps = [subset_product_node(*zip(*fixed))]
     else: steps = [maybe(m, coin(p)) for m,p in fixed]
-    if random_warps: steps += [random_warp_node(size, warp_magnitude, coin(p_warp)) for _ in range(random_warps)]
+    if random_warps and fold: steps.append(random_warps_node(size, random_warps, warp_magnitude, p_warp))
+    elif random_warps: steps += [random_warp_node(size, warp_magnitude, coin(p_warp)) for _ in range(random_warps)]
     if p_rotate > 0: steps.append(rotation_node(size, rotate_range, coin(p_rotate)))
     if p_hflip > 0: steps.append(maybe(flip_matrix(size), coin(p_hflip)))
     return steps

@@ -101,6 +101,11 @@ def _endless(dl):
     "Batches of `dl`, epoch after epoch"
     while True: yield from dl
 
+def _let_go(its=()):
+    "Close iterators stopped mid-epoch and collect what they leave: a fastai loader's worker processes then stop here, not when a process forked later (the next loader's workers) collects them and fails ('can only test a child process')"
+    for it in its: it.close()
+    gc.collect()
+
 def _pass(it, # an endless iterator of batches
           device:torch.device, n_batches:int, warmup:int, clock:Callable)->float: # images per second
     "One timed pass over `it`: `warmup` batches untimed, then `n_batches` timed"
@@ -119,8 +124,10 @@ def side_by_side(dls:dict, # name: anything that yields batches, epoch after epo
                 )->dict: # name: images per second
     "Median images per second of each loader, their passes taken in turn (A B C A B C ...), so that a machine that speeds up or slows down during the run weighs on all of them alike"
     its,rates = {k: _endless(dl) for k,dl in dls.items()},{k: [] for k in dls}
-    for _ in range(passes):
-        for k,it in its.items(): rates[k].append(_pass(it, device, n_batches, warmup, clock))
+    try:
+        for _ in range(passes):
+            for k,it in its.items(): rates[k].append(_pass(it, device, n_batches, warmup, clock))
+    finally: _let_go(its.values())
     return {k: statistics.median(r) for k,r in rates.items()}
 
 def loader_throughput(dl, # anything that yields batches, epoch after epoch
@@ -172,6 +179,7 @@ def learner_throughput(learn:Learner, # a Learner ready to fit
     for _ in range(passes):
         cb = Throughput(n_batches, warmup, clock)
         with learn.no_bar(), learn.no_logging(): learn.fit(math.ceil((n_batches + warmup)/len(learn.dls.train)) + 1, cbs=cb)
+        _let_go()  # the cancelled fit's loader iterator
         rates.append(cb.rate)
     return statistics.median(rates)
 

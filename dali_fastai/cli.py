@@ -9,7 +9,9 @@ __all__ = ['dataloaders_for', 'arch_by_name', 'fit_and_report', 'train', 'detect
            'segmentation_dataloaders', 'train_segmentation', 'parser', 'main']
 
 # %% ../nbs/06_cli.ipynb #09c440a1
-import argparse, http.client, json, sys, time
+import argparse, http.client, json, sys, time, warnings
+# fastai.layers calls torch.jit.script as it is imported, which newer torch calls deprecated: not the command's user's to act on
+warnings.filterwarnings('ignore', message=r'`torch\.jit\.script` is deprecated', category=FutureWarning)
 from pathlib import Path
 import torch
 import torchvision.models
@@ -24,7 +26,7 @@ from fastai.vision.core import imagenet_stats
 from .datasets import fashion_mnist
 from .data import DaliDataLoaders
 from .bench import (bench, bench_images, detection_bench, segmentation_bench, scale_bench, shards_bench,
-                               voc_segmentation_dblock, camvid_dblock)
+    voc_segmentation_dblock, camvid_dblock)
 from .detection import small_detector, detection_learner
 from .scenes import fashion_scenes
 from .translate import RandomBoxCrop

@@ -133,34 +133,31 @@ def _store(folder, files:list, results:list):
         path = _cache_file(folder, d)
         _save(path, {**_load(path), **new})
 
-_SLOW_STAT = 20e-6  # seconds a file: slower cache lookups wait on the file system (a network one), and threads overlap the waits
-
-def _lookups(files:list, groups:dict, saved, workers:int)->list:
-    "`_cached_verdicts` of each folder: in this thread while `os.stat` answers from memory (threads would only fight over the GIL), in `workers` threads once it waits"
-    look = lambda d_idx: _cached_verdicts(files, d_idx[1], saved(d_idx[0]))
-    res,n,start,rest = [],0,time.perf_counter(),iter(groups.items())
-    for d_idx in rest:
-        res.append(look(d_idx)); n += len(d_idx[1])
-        if n >= 1000 and (time.perf_counter() - start)/n > _SLOW_STAT:
-            with ThreadPoolExecutor(workers) as ex: res += ex.map(look, rest)
+def _map_waiting(f, tasks, workers:int)->list:
+    "`[f(t) for t in tasks]`: in this thread while `f` keeps it busy (threads would only take turns holding the GIL), in `workers` threads once it mostly waits (a cold disk, a network file system)"
+    res,rest,wall,cpu = [],iter(tasks),time.perf_counter(),time.process_time()
+    for t in rest:
+        res.append(f(t))
+        spent = time.perf_counter() - wall
+        if spent > 0.05 and time.process_time() - cpu < spent/2:
+            with ThreadPoolExecutor(workers) as ex: res += ex.map(f, rest)
     return res
 
 def check_images(files:list, # image paths
-                 workers:int|None=None, # threads; default: 4 per core, at most 32 (the work waits on the disk)
+                 workers:int|None=None, # threads once the checks wait on the disk; default: 4 per core, at most 32
                  cache:bool|str|Path=True, # True: remember verdicts in `cache_dir()`; a folder: there; False: no cache
                  full:bool=False, # also decode every file with PIL (slow; finds files broken in the middle, and caches them)
                 )->list: # `(file, reason)` for each bad file, in the order of `files`
-    "Check `files` in parallel with `check_image`, skipping files whose size and mtime match the cache"
+    "Check `files` with `check_image` (in parallel once the checks wait on the disk), skipping files whose size and mtime match the cache"
     files = [f if type(f) is str else str(f) for f in files]
     if not files: return []
     folder = None if cache is False else cache_dir() if cache is True else Path(cache)
     workers = workers or min(32, 4*(os.cpu_count() or 1))
     saved = lambda d: {} if folder is None or full else _load(_cache_file(folder, d))  # `full`: decode every file, cached or not
-    bad,todo = [],[]
-    for b,t in _lookups(files, _folders(files), saved, workers): bad += b; todo += t  # only the bad files and the new ones stay
-    with ThreadPoolExecutor(workers) as ex:
-        chunks = [todo[k:k+512] for k in range(0, len(todo), 512)]
-        checked = [r for c in ex.map(lambda c: _check_chunk(files, c, full), chunks) for r in c]
+    bad,todo,groups = [],[],_folders(files)
+    for b,t in _map_waiting(lambda d: _cached_verdicts(files, groups[d], saved(d)), groups, workers): bad += b; todo += t
+    chunks = [todo[k:k+512] for k in range(0, len(todo), 512)]  # only the bad files and the new ones were kept
+    checked = [r for c in _map_waiting(lambda c: _check_chunk(files, c, full), chunks, workers) for r in c]
     if folder is not None: _store(folder, files, [r for r in checked if r[1] is not None])
     return [(files[i], reason) for i,reason in sorted(bad + [(i, r) for i,_,r in checked if r is not None])]
 
