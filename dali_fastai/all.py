@@ -15,6 +15,7 @@ from .translate import RandomBoxCrop
 from .loader import n_batches, DaliNormalize, Target, ImageItems, DaliDataLoader
 from .targets import BoxTarget, BoxLabelTarget, PointTarget
 from .masks import MaskTarget, prepare_masks
+from .shards import write_shards, folder_shards, dblock_shards, check_shards
 from .data import DaliDataLoaders
 from .callbacks import UnpackDaliBatch, ClampSchedPos, DaliResetCallback, restart_epoch
 from .distributed import DaliDistributed, DaliCheckpoint
@@ -26,6 +27,7 @@ from .bench import bench, bench_images
 # %% ../nbs/07_all.ipynb #f745ce07
 __all__ = ['synthetic_warps', 'train_pipeline', 'valid_pipeline', 'IMAGENET_MEAN', 'IMAGENET_STD', 'check_images', 'RandomBoxCrop',
            'n_batches', 'DaliNormalize', 'Target', 'ImageItems', 'DaliDataLoader', 'BoxTarget', 'BoxLabelTarget', 'PointTarget',
-           'MaskTarget', 'prepare_masks', 'DaliDataLoaders', 'UnpackDaliBatch', 'ClampSchedPos', 'DaliResetCallback',
-           'restart_epoch', 'DaliDistributed', 'DaliCheckpoint', 'fashion_mnist', 'fashion_mnist_df', 'FASHION_MNIST_CLASSES',
-           'fashion_scenes', 'SCENE_CODES', 'small_detector', 'detection_learner', 'DetectionMAP', 'bench', 'bench_images']
+           'MaskTarget', 'prepare_masks', 'write_shards', 'folder_shards', 'dblock_shards', 'check_shards', 'DaliDataLoaders',
+           'UnpackDaliBatch', 'ClampSchedPos', 'DaliResetCallback', 'restart_epoch', 'DaliDistributed', 'DaliCheckpoint',
+           'fashion_mnist', 'fashion_mnist_df', 'FASHION_MNIST_CLASSES', 'fashion_scenes', 'SCENE_CODES', 'small_detector',
+           'detection_learner', 'DetectionMAP', 'bench', 'bench_images']

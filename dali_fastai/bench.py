@@ -10,7 +10,7 @@ __all__ = ['BENCH_PHOTOS', 'COMPILED', 'LEFTOVER', 'bench_images', 'side_by_side
            'fastai_aug_tfms', 'fastai_default_dls', 'aug_transforms_dls', 'left_to_fastai', 'bench', 'compiled_summary',
            'format_results', 'save_results', 'plot_results', 'coco_dblock', 'camvid_dblock', 'voc_segmentation_dblock',
            'task_bench', 'format_task', 'detection_bench', 'segmentation_bench', 'scale_folder', 'scale_bench',
-           'format_scale', 'shards_bench', 'format_shards']
+           'format_scale', 'time_to_accuracy', 'format_accuracy', 'shards_bench', 'format_shards']
 
 # %% ../nbs/05_bench.ipynb #77154514
 import gc, json, math, os, platform, shutil, statistics, time
@@ -26,6 +26,7 @@ import fastai
 from fastai.callback.core import Callback, CancelFitException, CancelValidException
 from fastai.callback.fp16 import AMPMode
 from fastai.callback.channelslast import to_channelslast  # noqa: F401 (adds Learner.to_channelslast)
+from fastai.callback.schedule import fit_one_cycle  # noqa: F401 (adds Learner.fit_one_cycle)
 from fastai.data.block import DataBlock
 from fastai.data.core import DataLoaders
 from fastai.data.transforms import Normalize, FuncSplitter, RandomSplitter, get_image_files
@@ -527,6 +528,48 @@ def format_scale(rows:list)->str:
     f = lambda v: '' if v is None else format(v, '.3f')
     lines = [f"{'items':>10}  {'what':<24}{'state':<8}{'seconds':>9}{'peak RSS GiB':>14}{'added GiB':>11}"]
     lines += [f"{r['n']:>10,}  {r['how']:<24}{r['state']:<8}{r['seconds']:>9.2f}{f(r['rss_gib']):>14}{f(r['added_gib']):>11}" for r in rows]
+    return '\n'.join(lines)
+
+# %% ../nbs/05_bench.ipynb #c27c8eaa
+def _timed_fit(make_dls, arch:str, epochs:int, lr:float, seed:int, amp:bool)->dict:
+    "Seconds from making the loaders to the end of the last epoch, and the final validation accuracy, of one run"
+    from fastai.metrics import accuracy
+    from fastai.torch_core import set_seed
+    start = time.perf_counter()
+    set_seed(seed, reproducible=False)
+    dls = make_dls()
+    learn = vision_learner(dls, getattr(torchvision.models, arch), pretrained=False, metrics=accuracy)
+    if amp: learn.to_channelslast(use_amp=True, amp_mode=AMPMode('bf16'))
+    with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(epochs, lr)
+    res = dict(seconds=time.perf_counter() - start, accuracy=float(learn.recorder.values[-1][-1]))
+    _let_go()
+    return res
+
+def time_to_accuracy(path:str|Path|None=None, # ImageNet-style folder; default: `bench_images(n_per_class=2000)`
+                     arch:str='resnet18', # torchvision model, trained from scratch
+                     epochs:int=5, lr:float=3e-3, # the one-cycle schedule both runs share
+                     size:int=224, bs:int=256, # image side and batch size
+                     device:str|None=None, # 'cpu' or 'gpu'; default: the GPU if visible
+                     workers:int|None=None, # fastai's worker processes; default: one per core
+                     seed:int=0,
+                    )->dict: # the results
+    "Train `arch` with fastai's default loaders and with dali_fastai's, same transforms and schedule: wall time and final accuracy of each; print them"
+    device = as_device(device)
+    path = bench_images(n_per_class=2000) if path is None else Path(path)
+    runs = {'fastai': lambda: fastai_default_dls(path, size, bs, device, workers), 'dali_fastai': lambda: aug_transforms_dls(path, size, bs, device)}
+    res = dict(machine=machine_info(device), settings=dict(path=str(path), arch=arch, epochs=epochs, lr=lr, size=size, bs=bs,
+               device=str(device), seed=seed), runs={k: _timed_fit(make, arch, epochs, lr, seed, device.type == 'cuda') for k,make in runs.items()})
+    print(format_accuracy(res))
+    return res
+
+def format_accuracy(res:dict)->str:
+    "The two runs as lines: wall time, accuracy, and dali_fastai's speed-up at (or off) equal accuracy"
+    s,r = res['settings'],res['runs']
+    lines = [f"{s['arch']} from scratch, {s['epochs']} epochs, one cycle at lr {s['lr']:g}, {s['size']}px, bs {s['bs']}, device {s['device']}"]
+    lines += [f"{k:<12}{v['seconds']:>8.1f} s   accuracy {v['accuracy']:.4f}" for k,v in r.items()]
+    gap = abs(r['dali_fastai']['accuracy'] - r['fastai']['accuracy'])
+    lines.append(f"dali_fastai {_ratio(r['fastai']['seconds'], r['dali_fastai']['seconds'])} faster end to end, accuracy "
+                 f"{'within' if gap <= 0.01 else 'NOT within'} 1 point of fastai's ({100*gap:.1f} points apart)")
     return '\n'.join(lines)
 
 # %% ../nbs/05_bench.ipynb #f1f9cc94

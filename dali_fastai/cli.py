@@ -26,6 +26,7 @@ from fastai.vision.core import imagenet_stats
 from .datasets import fashion_mnist
 from .data import DaliDataLoaders
 from .bench import (bench, bench_images, detection_bench, segmentation_bench, scale_bench, shards_bench,
+    time_to_accuracy,
     voc_segmentation_dblock, camvid_dblock)
 from .detection import small_detector, detection_learner
 from .scenes import fashion_scenes
@@ -206,9 +207,12 @@ def parser()->argparse.ArgumentParser:
     b = sub.add_parser('bench', help="measure loader and training throughput side by side", description=bench.__doc__)
     b.add_argument('path', nargs='?', default=None, help="ImageNet-style folder; default: a set made from scikit-image's "
                    "sample photos (see --n-per-class); detection: a COCO folder, default the embedded scenes")
-    b.add_argument('--task', choices=['classification', 'detection', 'segmentation', 'shards'], default='classification',
+    b.add_argument('--task', choices=['classification', 'detection', 'segmentation', 'shards', 'accuracy'], default='classification',
                    help="classification, or detection or segmentation: DALI's loader beside fastai's on one DataBlock; shards: "
-                   "the folder's loader beside loaders over its WebDataset and TFRecord shards")
+                   "the folder's loader beside loaders over its WebDataset and TFRecord shards; accuracy: time to accuracy, "
+                   "the first of --archs trained --epochs from scratch on fastai's loaders and on dali_fastai's (default "
+                   "set: bench_images(n_per_class=2000))")
+    b.add_argument('--epochs', type=int, default=5, help="--task accuracy: epochs of each run (default: 5)")
     b.add_argument('--size', type=int, default=None, help="image side in pixels (default: 224; detection, segmentation: 128)")
     b.add_argument('--bs', type=int, default=None, help="batch size (default: 256; detection, segmentation: 64)")
     b.add_argument('--device', choices=['cpu', 'gpu'], default=None, help="default: the GPU if one is visible")
@@ -255,12 +259,17 @@ def _train(task:str, arch:str|None, valid_pct:float|None=None, pretrained:bool=F
     return train_detection(arch=arch or 'fcos', box_crop=box_crop, **kwargs)
 
 def _bench(task:str, path, n_per_class:int, size:int|None, bs:int|None, archs:str|None, fastai_loader:bool, out:str,
-           scale:bool=False, sizes:str='', **kwargs):
-    "`bench`, `detection_bench`, `segmentation_bench` or `scale_bench`, each with its own defaults for what the command line leaves unset"
+           scale:bool=False, sizes:str='', epochs:int=5, **kwargs):
+    "`bench`, `detection_bench`, `segmentation_bench`, `shards_bench`, `time_to_accuracy` or `scale_bench`, each with its own defaults for what the command line leaves unset"
     if scale:
         rows = scale_bench(tuple(int(n) for n in sizes.split(',') if n), path)
         Path(out).mkdir(parents=True, exist_ok=True); (Path(out)/'scale.json').write_text(json.dumps(rows, indent=1))
         return rows
+    if task == 'accuracy':
+        for k in ('n_batches', 'warmup', 'passes'): kwargs.pop(k, None)
+        res = time_to_accuracy(path, (archs or 'resnet18').split(',')[0], epochs, size=size or 224, bs=bs or 256, **kwargs)
+        Path(out).mkdir(parents=True, exist_ok=True); (Path(out)/'accuracy.json').write_text(json.dumps(res, indent=1))
+        return res
     if task == 'shards':
         kwargs.pop('workers', None)
         res = shards_bench(path if path is not None else bench_images(n_per_class=n_per_class), size or 224, bs or 256, **kwargs)

@@ -29,7 +29,7 @@ from .files import image_format, DECODABLE
 from .loader import DaliDataLoader, ImageItems, Target, bad_files
 from .targets import Ragged, BoxTarget, BoxLabelTarget, PointTarget
 from .masks import MaskTarget
-from .shards import ShardItems, TFRecordItems, IMAGE_EXTS
+from .shards import ShardItems, TFRecordItems, IMAGE_EXTS, shard_targets
 from .annotations import read_coco, read_voc
 
 # %% ../nbs/03a_data.ipynb #e9fc36cd
@@ -493,7 +493,8 @@ class DaliDataLoaders(DataLoaders):
                         **kwargs, # see `from_items`
                        ):
         "Loaders over WebDataset shards (`<key>.jpg` + `<key>.cls`), read by DALI's `fn.readers.webdataset`; indexes built on first use"
-        return cls._from_shards(path, train, valid, vocab, lambda s,v: ShardItems(s, v, image_ext, label_ext, label_offset), **kwargs)
+        return cls._from_shards(path, train, valid, vocab,
+                                lambda s,v,t: ShardItems(s, v, image_ext, label_ext, label_offset, targets=t), **kwargs)
 
     @classmethod
     def from_tfrecord(cls, path, # folder of the TFRecord files (saved as `dls.path`)
@@ -506,18 +507,20 @@ class DaliDataLoaders(DataLoaders):
                       **kwargs, # see `from_items`
                      ):
         "Loaders over TFRecord files of `tf.train.Example`s (ImageNet's feature names by default), read by DALI's `fn.readers.tfrecord`"
-        return cls._from_shards(path, train, valid, vocab, lambda s,v: TFRecordItems(s, v, image_key, label_key, label_offset), **kwargs)
+        return cls._from_shards(path, train, valid, vocab,
+                                lambda s,v,t: TFRecordItems(s, v, image_key, label_key, label_offset, targets=t), **kwargs)
 
     @classmethod
     def _from_shards(cls, path, train, valid, vocab, items, **kwargs):
-        "Loaders over the shards `train` and `valid` (globs under `path`, or lists), each split's records made by `items(shards, vocab)`"
-        path = Path(path)
-        if vocab is None:
+        "Loaders over the shards `train` and `valid` (globs under `path`, or lists), each split's records made by `items(shards, vocab, targets)`"
+        path,targets = Path(path),shard_targets(path)  # `dblock_shards` writes the splits' targets beside their shards
+        if targets is None and vocab is None:
             if not (path/'vocab.txt').is_file(): raise FileNotFoundError(f"{path} has no vocab.txt (one class name a line, label 0 "
                                                                         "first): pass vocab=[...] or write it (dali-fastai shards does)")
             vocab = (path/'vocab.txt').read_text().splitlines()
-        def shards(s): return sorted(path.glob(s)) if isinstance(s, str) else [Path(f) for f in s]
-        return cls.from_items(path, items(shards(train), vocab), items(shards(valid), vocab), check_files=False, **kwargs)
+        def split(s, name): return items(sorted(path.glob(s)) if isinstance(s, str) else [Path(f) for f in s], vocab or [],
+                                         None if targets is None else targets[name])
+        return cls.from_items(path, split(train, 'train'), split(valid, 'valid'), check_files=False, **kwargs)
 
     @classmethod
     def from_dsets(cls, *ds, **kwargs):

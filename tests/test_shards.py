@@ -1,5 +1,6 @@
 """WebDataset and TFRecord shards: a folder written as shards reads back as the same items, labels and pixels; every record once per
-epoch over odd shard counts and batch sizes, on 1, 2 and 3 ranks; bad shards are named; resume; a Learner trains."""
+epoch over odd shard counts and batch sizes, on 1, 2 and 3 ranks; bad shards are named; resume; a Learner trains; a DataBlock's
+targets (single- and multi-label, regression) come back as fastai encodes them."""
 import os
 import numpy as np
 import pytest
@@ -119,3 +120,57 @@ def test_folder_to_shards_round_trip(tmp_path, fmt):
     b = FROM[fmt](tmp_path/'out', bs=3, size=8, device=DEVICE, seed=0)
     assert a.vocab == b.vocab == ['cat', 'dog'] and len(a.train.items) == len(b.train.items) == 12
     for (x0,y0),(x1,y1) in zip(a.valid, b.valid): assert torch.equal(x0, x1) and torch.equal(y0, y1)
+
+
+def _index_of(f)->int: return int(f.stem)
+
+@pytest.mark.parametrize('fmt', list(FROM))
+@pytest.mark.parametrize('kind', ['multi', 'regression', 'single'])
+def test_dblock_shards_targets_as_fastai_encodes_them(tmp_path, fmt, kind):
+    "A DataBlock written with `dblock_shards`: every record's target is what fastai's own Datasets gives its image, of fastai's type"
+    from fastai.data.block import DataBlock, CategoryBlock, MultiCategoryBlock, RegressionBlock
+    from fastai.data.transforms import FuncSplitter
+    from fastai.vision.data import ImageBlock
+    from dali_fastai.shards import dblock_shards
+    files = make_index_images(tmp_path/'images', 23)
+    y_block,get_y = {'multi': (MultiCategoryBlock, lambda f: [t for t,on in (('odd', _index_of(f) % 2), ('big', _index_of(f) > 9), ('three', _index_of(f) % 3 == 0)) if on]),
+                     'regression': (RegressionBlock, lambda f: 0.5*_index_of(f) - 3.),
+                     'single': (CategoryBlock, lambda f: 'abc'[_index_of(f) % 3])}[kind]
+    dblock = DataBlock(blocks=(ImageBlock, y_block), get_y=get_y, splitter=FuncSplitter(lambda f: _index_of(f) >= 17))
+    dblock_shards(dblock, files, tmp_path/'shards', shard_size=4, progress=False, format=fmt)
+    dls = FROM[fmt](tmp_path/'shards', bs=3, size=8, device=DEVICE, seed=0, drop_last=False)
+    dsets = dblock.datasets(files)  # fastai's own encoding of each item's target
+    want = {_index_of(f): y for f,(_,y) in zip([*dsets.train.items, *dsets.valid.items], [*dsets.train, *dsets.valid])}
+    seen = []
+    for dl in (dls.train, dls.valid):
+        for x,y in dl:
+            assert type(y) is type(want[0]), f"{type(y).__name__} is not fastai's {type(want[0]).__name__}"
+            for i,yi in zip(decode_index(x), y): assert torch.allclose(yi.float().cpu(), want[i].float()), (i, yi, want[i]); seen.append(i)
+    assert sorted(seen) == list(range(23)), "every record once, train then valid"
+    if kind != 'regression': assert list(dls.vocab) == list(dsets.vocab)
+    assert dls.valid.decode_batch(dls.valid.one_batch())  # decodes as fastai's loaders do (show_batch)
+    if kind == 'multi':  # a Learner picks fastai's multi-label loss from the targets, and trains
+        from fastai.learner import Learner
+        from fastai.losses import BCEWithLogitsLossFlat
+        import fastai.callback.progress  # noqa: F401 (Learner.no_bar)
+        learn = Learner(dls, tiny_model(len(dls.vocab)), path=tmp_path)
+        assert isinstance(learn.loss_func, BCEWithLogitsLossFlat)
+        with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3)
+
+
+def test_dblock_shards_refuses_masks_and_stale_targets(tmp_path):
+    "Masks are not written to shards (they need files of their own); targets of other shards are named"
+    from fastai.data.block import DataBlock, CategoryBlock
+    from fastai.data.transforms import FuncSplitter
+    from fastai.vision.data import ImageBlock, MaskBlock
+    from dali_fastai.shards import dblock_shards
+    files = make_index_images(tmp_path/'images', 8)
+    masks = DataBlock(blocks=(ImageBlock, MaskBlock(codes=['a', 'b'])), get_y=lambda f: f, splitter=FuncSplitter(lambda f: _index_of(f) > 5))
+    with pytest.raises(ValueError, match=r"mask targets \(MaskBlock\).*not written to shards yet.*from_dblock"):
+        dblock_shards(masks, files, tmp_path/'m', progress=False)
+    cats = DataBlock(blocks=(ImageBlock, CategoryBlock), get_y=lambda f: str(_index_of(f) % 2), splitter=FuncSplitter(lambda f: _index_of(f) > 5))
+    dblock_shards(cats, files, tmp_path/'a', shard_size=3, progress=False)
+    dblock_shards(cats, files[:7], tmp_path/'b', shard_size=3, progress=False)
+    (tmp_path/'b'/'targets.pkl').replace(tmp_path/'a'/'targets.pkl')  # 6 training targets for 6 records, 1 valid for 2
+    with pytest.raises(ValueError, match=r"2 records in .* but \[1\] rows of targets"):
+        DaliDataLoaders.from_webdataset(tmp_path/'a', bs=2, size=8, device=DEVICE)
