@@ -462,6 +462,9 @@ class DaliDataLoader:
     def _box_files(self)->list|None:
         "Each item's box file, when the item step crops around the boxes (`RandomBoxCrop`) and the items have boxes"
         if not self.recipe.needs_boxes: return None
+        if getattr(self.items, 'read', None) is not None: raise ValueError(
+            "RandomBoxCrop reads each item's boxes from a file beside its image, which records in shards do not have: use "
+            "Resize or RandomResizedCrop as the item transform over shards, or DaliDataLoaders.from_dblock for RandomBoxCrop")
         return next((t.box_files for t in self.items.targets if getattr(t, 'box_files', None) is not None), None)
 
     def _graph(self, device_id:int|None, encoded, *side_encoded)->tuple:

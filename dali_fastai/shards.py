@@ -395,7 +395,7 @@ class TFRecordItems(ShardItems):
 # %% ../nbs/03d_shards.ipynb #2447f563
 TARGETS_FILE = 'targets.pkl'  # beside shards written by `dblock_shards`: each split's `Target`s
 
-def dblock_shards(dblock, # a fastai `DataBlock`: an `ImageBlock`, then category, multi-category or regression blocks
+def dblock_shards(dblock, # a fastai `DataBlock`: an `ImageBlock`, then category, multi-category, regression, box or point blocks
                   source, # what its `get_items` reads
                   dest, # folder for the shards and `targets.pkl`
                   shard_size:int=10_000, # samples a shard
@@ -406,11 +406,10 @@ def dblock_shards(dblock, # a fastai `DataBlock`: an `ImageBlock`, then category
     "Write a DataBlock's images as shards and its targets, encoded by fastai, beside them"
     import pickle
     from dali_fastai.data import dblock_items, _target_kinds  # here: data imports this module
-    later = "which need files of their own beside each image and are not written to shards yet: use DaliDataLoaders.from_dblock(dblock, source)"
-    if 'mask' in _target_kinds(dblock): raise ValueError(f"this DataBlock has mask targets (MaskBlock), {later}")
+    if 'mask' in _target_kinds(dblock): raise ValueError(
+        "this DataBlock has mask targets (MaskBlock), which DALI reads from files of their own beside each image: they are not "
+        "written to shards yet; use DaliDataLoaders.from_dblock(dblock, source)")
     splits = dict(zip(('train', 'valid'), dblock_items(dblock, source)))
-    kinds = {type(t).__name__ for items in splits.values() for t in items.targets if getattr(t, 'geometric', False)}
-    if kinds: raise ValueError(f"this DataBlock has {', '.join(sorted(kinds))} targets, {later}")
     def write_targets(path):
         with open(path, 'wb') as f: pickle.dump({s: items.targets for s,items in splits.items()}, f)
     return _write_splits(Path(dest), {s: [(f, i) for i,f in enumerate(items.files)] for s,items in splits.items()}, TARGETS_FILE,

@@ -1,7 +1,8 @@
 """Boxes and points follow every geometric augmentation: images whose objects are solid coloured rectangles at known
 boxes go through `DaliDataLoaders.from_dblock` with each fastai transform alone (p=1) and with `aug_transforms()`; every
 output box must enclose its colour's region tightly, every point must sit on its rectangle's centre, on the CPU backend
-(and on the GPU backend with `DALI_FASTAI_TEST_DEVICE=gpu`, as `make gpu-test` runs it)."""
+(and on the GPU backend with `DALI_FASTAI_TEST_DEVICE=gpu`, as `make gpu-test` runs it); the same from WebDataset and
+TFRecord shards written by `dblock_shards`."""
 import math, os
 import numpy as np
 import pytest
@@ -259,3 +260,28 @@ def test_random_box_crop_keeps_the_object(scenes, fastai_loader):
     assert len(ones) >= 2
     assert n_boxes(RandomBoxCrop(96, min_ious=(0.5,), allow_no_crop=False)) == 30*len(ones)
     assert n_boxes(RandomResizedCrop(96, min_scale=0.08)) < 30*len(ones)
+
+
+@pytest.mark.parametrize('fmt', ['webdataset', 'tfrecord'])
+def test_boxes_and_points_from_shards(scenes, tmp_path, fmt):
+    "Box and point DataBlocks written with `dblock_shards`: validation batches equal `from_dblock`'s; boxes follow aug_transforms"
+    from dali_fastai.shards import dblock_shards
+    root,ann = scenes
+    make = {'webdataset': DaliDataLoaders.from_webdataset, 'tfrecord': DaliDataLoaders.from_tfrecord}[fmt]
+    dblock_shards(box_dblock(ann, None), root, tmp_path/'boxes', shard_size=5, progress=False, format=fmt)
+    kw = dict(bs=N, device=DEVICE, seed=0)
+    ours = make(tmp_path/'boxes', item_tfms=Resize(96), **kw)
+    theirs = DaliDataLoaders.from_dblock(box_dblock(ann, Resize(96)), root, **kw)
+    assert ours.vocab == theirs.vocab
+    for a,b in zip(ours.valid, theirs.valid):
+        for u,v in zip(a, b): assert type(u) is type(v) and torch.equal(u, v)
+    check_boxes(make(tmp_path/'boxes', item_tfms=Resize(112), batch_tfms=aug_transforms(size=96), **kw).train, 0.7, batches=2)
+    centre = lambda o: [[(b[0] + b[2])/2, (b[1] + b[3])/2] for b in ann[o.name][0][:1]]
+    points = DataBlock(blocks=(ImageBlock, PointBlock), get_items=lambda p: sorted(p.glob('*.png')), get_y=centre, n_inp=1,
+                       splitter=FuncSplitter(lambda o: o.name.startswith('valid')), item_tfms=Resize(96))
+    dblock_shards(points, root, tmp_path/'points', shard_size=5, progress=False, format=fmt)
+    a = make(tmp_path/'points', item_tfms=Resize(96), **kw).valid.one_batch()
+    b = DaliDataLoaders.from_dblock(points, root, **kw).valid.one_batch()
+    assert isinstance(a[1], TensorPoint) and torch.equal(a[0], b[0]) and torch.allclose(a[1], b[1])
+    with pytest.raises(ValueError, match=r"RandomBoxCrop reads each item's boxes from a file"):
+        make(tmp_path/'boxes', item_tfms=RandomBoxCrop(96), **kw).train.one_batch()

@@ -133,7 +133,8 @@ def test_dblock_shards_targets_as_fastai_encodes_them(tmp_path, fmt, kind):
     from fastai.vision.data import ImageBlock
     from dali_fastai.shards import dblock_shards
     files = make_index_images(tmp_path/'images', 23)
-    y_block,get_y = {'multi': (MultiCategoryBlock, lambda f: [t for t,on in (('odd', _index_of(f) % 2), ('big', _index_of(f) > 9), ('three', _index_of(f) % 3 == 0)) if on]),
+    tags = lambda f: [t for t,on in (('odd', _index_of(f) % 2), ('big', _index_of(f) > 9), ('three', _index_of(f) % 3 == 0)) if on]
+    y_block,get_y = {'multi': (MultiCategoryBlock, tags),
                      'regression': (RegressionBlock, lambda f: 0.5*_index_of(f) - 3.),
                      'single': (CategoryBlock, lambda f: 'abc'[_index_of(f) % 3])}[kind]
     dblock = DataBlock(blocks=(ImageBlock, y_block), get_y=get_y, splitter=FuncSplitter(lambda f: _index_of(f) >= 17))
@@ -159,16 +160,17 @@ def test_dblock_shards_targets_as_fastai_encodes_them(tmp_path, fmt, kind):
 
 
 def test_dblock_shards_refuses_masks_and_stale_targets(tmp_path):
-    "Masks are not written to shards (they need files of their own); targets of other shards are named"
+    "Masks are not written to shards (DALI reads them from files of their own); targets of other shards are named"
     from fastai.data.block import DataBlock, CategoryBlock
     from fastai.data.transforms import FuncSplitter
     from fastai.vision.data import ImageBlock, MaskBlock
     from dali_fastai.shards import dblock_shards
     files = make_index_images(tmp_path/'images', 8)
-    masks = DataBlock(blocks=(ImageBlock, MaskBlock(codes=['a', 'b'])), get_y=lambda f: f, splitter=FuncSplitter(lambda f: _index_of(f) > 5))
+    split = FuncSplitter(lambda f: _index_of(f) > 5)
+    masks = DataBlock(blocks=(ImageBlock, MaskBlock(codes=['a', 'b'])), get_y=lambda f: f, splitter=split)
     with pytest.raises(ValueError, match=r"mask targets \(MaskBlock\).*not written to shards yet.*from_dblock"):
         dblock_shards(masks, files, tmp_path/'m', progress=False)
-    cats = DataBlock(blocks=(ImageBlock, CategoryBlock), get_y=lambda f: str(_index_of(f) % 2), splitter=FuncSplitter(lambda f: _index_of(f) > 5))
+    cats = DataBlock(blocks=(ImageBlock, CategoryBlock), get_y=lambda f: str(_index_of(f) % 2), splitter=split)
     dblock_shards(cats, files, tmp_path/'a', shard_size=3, progress=False)
     dblock_shards(cats, files[:7], tmp_path/'b', shard_size=3, progress=False)
     (tmp_path/'b'/'targets.pkl').replace(tmp_path/'a'/'targets.pkl')  # 6 training targets for 6 records, 1 valid for 2
