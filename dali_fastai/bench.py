@@ -191,10 +191,11 @@ def training_throughput(dls, # DataLoaders to train from
                         amp:str|None='bf16', # mixed precision: 'bf16', 'fp16' or None
                         channels_last:bool=True, # train with channels_last tensors
                         clock:Callable=time.perf_counter, # seconds, as a float
+                        cbs:list=(), # more callbacks for the `Learner` (e.g. a lever being tried)
                        )->float: # images per second
     "Median images per second through `Learner.fit` for `arch` fed by `dls`"
     model = getattr(torchvision.models, arch)(num_classes=c)
-    learn = Learner(dls, model, loss_func=CrossEntropyLossFlat())
+    learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), cbs=list(cbs))
     if channels_last or amp: learn.to_channelslast(use_amp=amp is not None, amp_mode=AMPMode(amp or 'fp16'))
     return learner_throughput(learn, n_batches, warmup, passes, clock)
 

@@ -102,7 +102,7 @@ def _labels(df:pd.DataFrame, label_col, label_delim:str|None)->list:
 def _usable_splits(train:ImageItems, valid:ImageItems, path, skip_bad_files:bool)->tuple:
     "Both splits checked in one `check_images` call: one error, or one warning"
     bad = bad_files([*train.files, *valid.files], skip_bad_files, root=path)
-    res = tuple(items.without(bad) if bad else items.marked_checked() for items in (train, valid))
+    res = train.without(bad),valid.without(bad)
     _check_files(res[0].files, 'the training set, once the bad files are left out')
     _check_files(res[1].files, 'the validation set, once the bad files are left out')
     return res

@@ -141,6 +141,7 @@ def _map_waiting(f, tasks, workers:int)->list:
         spent = time.perf_counter() - wall
         if spent > 0.05 and time.process_time() - cpu < spent/2:
             with ThreadPoolExecutor(workers) as ex: res += ex.map(f, rest)
+            break
     return res
 
 def check_images(files:list, # image paths

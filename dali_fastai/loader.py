@@ -187,6 +187,8 @@ class ImageItems:
         self.files,self.targets,self.checked,self.split_idx = files,tuple(targets),checked,split_idx
         self.owner = owner
 
+    read = None  # items whose records DALI reads itself (shards) give `read(shuffle, shard_id, num_shards, order_seed)` → reader nodes
+
     @property
     def labelled(self)->bool: return bool(self.targets) and self.targets[0].values is not None
     @property
@@ -218,7 +220,8 @@ class ImageItems:
                           checked=self.checked if checked is None else checked, split_idx=self.split_idx, owner=self.owner)
     def without(self, bad:set # files to leave out, as `str` paths
                ):
-        "These items less the files in `bad`, marked checked"
+        "These items less the files in `bad`, marked checked (not copied when none is bad)"
+        if not bad: return self.marked_checked()
         return self.subset([i for i,f in enumerate(self.files) if str(f) not in bad], checked=True)
     def marked_checked(self):
         "These items, marked as having passed `check_images` (the same files and targets, not copied)"
@@ -262,8 +265,7 @@ def usable_items(items:ImageItems, # the items to check
                 )->ImageItems: # `items` without the bad files, marked checked
     "`items` checked with `check_images`: a `ValueError` naming the bad files, or one warning listing those left out"
     if items.checked or len(items) == 0: return items
-    bad = bad_files(items.files, skip_bad_files, root)
-    return items.without(bad) if bad else items.marked_checked()
+    return items.without(bad_files(items.files, skip_bad_files, root))
 
 # %% ../nbs/03_loader.ipynb #30b0ce31
 class DaliEpoch:
@@ -408,6 +410,9 @@ class DaliDataLoader:
         self.drop_last = train if drop_last is None else drop_last
         self.device = as_device(device)
         self.after_batch = _after_batch(self.recipes[0])
+        if self.items.read is not None and any(r.needs_boxes for r in self.recipes): raise ValueError(
+            "RandomBoxCrop reads each item's boxes from a file beside its image, which records in shards do not have: use "
+            "Resize or RandomResizedCrop as the item transform over shards, or DaliDataLoaders.from_dblock for RandomBoxCrop")
         # the targets DALI reads from files of their own beside the images (masks), once: `_to_batch` needs them every batch
         self._sides = [t for t in self.items.targets if t.side_files is not None]
         self._source = PipelineSource(['images', 'index'] + (['window', 'matrix'] if self._geometric else []) +
@@ -462,9 +467,6 @@ class DaliDataLoader:
     def _box_files(self)->list|None:
         "Each item's box file, when the item step crops around the boxes (`RandomBoxCrop`) and the items have boxes"
         if not self.recipe.needs_boxes: return None
-        if getattr(self.items, 'read', None) is not None: raise ValueError(
-            "RandomBoxCrop reads each item's boxes from a file beside its image, which records in shards do not have: use "
-            "Resize or RandomResizedCrop as the item transform over shards, or DaliDataLoaders.from_dblock for RandomBoxCrop")
         return next((t.box_files for t in self.items.targets if getattr(t, 'box_files', None) is not None), None)
 
     def _graph(self, device_id:int|None, encoded, *side_encoded)->tuple:
@@ -488,7 +490,7 @@ class DaliDataLoader:
         side = [[f[i] for i in idx] for f in [t.side_files for t in self._sides] + ([boxes] if boxes is not None else [])]
         return classification_pipeline(files, idx, self.bs, partial(self._graph, device_id), device_id, self.shuffle, seed,
                                        self.num_threads, self.prefetch, self.rank, self.world_size, order_seed, checkpoint,
-                                       side_files=side, reader=getattr(self.items, 'read', None))
+                                       side_files=side, reader=self.items.read)
 
     def _iterator(self)->DALIGenericIterator:
         "The DALI iterator for the current split and shard (the order is the same on every rank; augmentation differs)"
@@ -572,7 +574,7 @@ class DaliDataLoader:
             except StopIteration: break
             except RuntimeError as e:
                 if not _is_decode_failure(e): self.close(); raise
-                failure = self._read_failure(e, epoch.taken) if hasattr(self.items, 'read') else self._decode_failure(epoch.taken)
+                failure = self._read_failure(e, epoch.taken) if self.items.read is not None else self._decode_failure(epoch.taken)
             except BaseException:  # e.g. Ctrl-C inside DALI: its iterator's state is unknown, so it is never reused
                 self.close(); raise
             if failure is not None:  # raised outside `except`: DALI's error, and the dead pipeline it holds, are freed now

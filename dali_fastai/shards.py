@@ -10,7 +10,7 @@ __all__ = ['IMAGE_EXTS', 'SHARD_FORMATS', 'TARGETS_FILE', 'shard_index', 'index_
            'tfrecord_records', 'tfrecord_index', 'TFRecordItems', 'dblock_shards', 'shard_targets']
 
 # %% ../nbs/03d_shards.ipynb #4c7d1343
-import io, os, random, struct, tarfile
+import io, os, random, struct
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
@@ -19,7 +19,7 @@ from nvidia.dali import fn, types
 from nvidia.dali import math as dmath
 from nvidia.dali.data_node import DataNode
 from .files import image_format
-from .shardindex import _split, _members, _plain_members, _tarfile_members, _wds_index_text, _frames, _tfrecord_index_text
+from .shardindex import _split, _wds_index_text, _frames, _tfrecord_index_text
 from .datasets import _progress
 from .loader import ImageItems, category_target
 
@@ -132,7 +132,7 @@ def write_shards(items:list, # `(image file, integer label)` pairs
         for k in _progress(order, progress and len(items) > 1000): put(k, Path(items[k][0]), items[k][1])
     finally: sink.close()
     shards = sorted(dest.glob(f'{prefix}-*.{suffix}'))
-    for s in shards: (shard_index if format == 'webdataset' else tfrecord_index)(s)
+    _index_all(shards, _wds_index_text if format == 'webdataset' else _tfrecord_index_text)
     return shards
 
 # %% ../nbs/03d_shards.ipynb #75163b3a
@@ -175,17 +175,18 @@ def _check_sample(shard, key, image:bytes|None, label:int|None, n_classes:int|No
         if not 0 <= label < (n_classes or label + 1): raise ValueError(f"label {label} is not in 0..{n_classes - 1}")
     except Exception as e: raise ValueError(f"shard {shard}: sample {key}: {e}") from None
 
-def _tar_samples(shard)->list:
-    "`(key, image bytes, label)` of each sample of a WebDataset shard"
-    out = {}
-    with tarfile.open(shard) as t:
-        for m in t:
-            if not m.isfile(): continue
-            key,ext = _split(m.name)
-            d = out.setdefault(key, [None, None])
-            if ext == 'cls': d[1] = int(t.extractfile(m).read().decode().strip())
-            elif ext in IMAGE_EXTS.split(';'): d[0] = t.extractfile(m).read()
-    return [(repr(k), *v) for k,v in out.items()]
+def _tar_samples(shard, index)->list:
+    "`(key, image bytes, label)` of each sample of a WebDataset shard, read at the offsets its DALI index gives"
+    out = []
+    with open(index) as ix, open(shard, 'rb') as f:
+        next(ix)
+        for line in ix:
+            t = line.split()
+            at = {e: (int(o), int(n)) for e,o,n in zip(t[0::4], t[1::4], t[2::4])}
+            def read(ext): f.seek(at[ext][0]); return f.read(at[ext][1])
+            image = next((read(e) for e in IMAGE_EXTS.split(';') if e in at), None)
+            out.append((repr(_split(t[3])[0]), image, int(read('cls').decode().strip()) if 'cls' in at else None))
+    return out
 
 def _tfrecord_samples(shard, image_key='image/encoded', label_key='image/class/label')->list:
     "`(record, image bytes, label)` of each record of a TFRecord file (CRCs checked)"
@@ -207,9 +208,9 @@ def check_shards(dest, # a folder of shards (`*.tar` or `*.tfrecord`)
     if not shards: raise FileNotFoundError(f"no shards (*.tar, *.tfrecord) in {dest}")
     n = 0
     for s in _progress(shards, progress):
-        if s.suffix == '.tar': check_index(shard_index(s), s, IMAGE_EXTS, 'cls')
+        if s.suffix == '.tar': check_index(index := shard_index(s), s, IMAGE_EXTS, 'cls')
         else: tfrecord_index(s)
-        for key,image,label in (_tar_samples(s) if s.suffix == '.tar' else _tfrecord_samples(s)):
+        for key,image,label in (_tar_samples(s, index) if s.suffix == '.tar' else _tfrecord_samples(s)):
             _check_sample(s, key, image, None if label is None else label - label_offset, n_classes); n += 1
     return n
 
