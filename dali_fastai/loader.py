@@ -28,7 +28,7 @@ from nvidia.dali import fn, types
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 from .augment import synthetic_warps
 from .files import check_images, describe_bad, bad_files_message
-from .pipeline import classification_pipeline, augment, IMAGENET_MEAN, IMAGENET_STD
+from .pipeline import classification_pipeline, augment, IMAGENET_MEAN, IMAGENET_STD, HW_DECODER_LOAD
 from .translate import ImageRecipe, keyword_recipe, fastai_recipe, geometry_outputs
 
 # %% ../nbs/03_loader.ipynb #08f11991
@@ -387,7 +387,7 @@ class DaliDataLoader:
                  std:tuple|None=None, # normalization std, 0..1 scale; likewise
                  dtype:str='float32', # 'float32' or 'float16' images
                  crop_pct:float=0.875, # validation with keywords: centre crop's share of the resized shorter side
-                 hw_decoder_load:float=0.65, # GPU: share of JPEGs for the hardware JPEG decoder (A100, H100, H200)
+                 hw_decoder_load:float=HW_DECODER_LOAD, # GPU: share of JPEGs for the hardware JPEG decoder (A100, H100, H200)
                  drain_limit:int=4, # an abandoned epoch with at most this many batches left is drained, else rebuilt
                  skip_bad_files:bool=False, # leave out files that fail `check_images` (with one warning), instead of raising
                  check_files:bool=True, # check the files' headers before reading them (False: trust them)

@@ -26,7 +26,7 @@ from fastai.vision.augment import (Resize, RandomResizedCrop, RandomCrop, CropPa
 from fastai.vision.augment import _WarpCoord, find_coeffs
 from .augment import hw
 from .draws import HostDraws, stand_in, check_draw, independent
-from .pipeline import (IMAGENET_MEAN, IMAGENET_STD, decode_random_crop, decode_center_crop, augment, normalize,
+from .pipeline import (IMAGENET_MEAN, IMAGENET_STD, HW_DECODER_LOAD, decode_random_crop, decode_center_crop, augment, normalize,
                                   decoder_device)
 
 # %% ../nbs/02b_translate.ipynb #a1b5f53d
@@ -190,7 +190,7 @@ class ItemStep:
 
     def decode(self, encoded:DataNode, # encoded images
                device_id:int|None=None, # GPU id, or None for the CPU backend
-               hw_decoder_load:float=0.65, # GPU only: share of JPEGs given to the hardware JPEG decoder
+               hw_decoder_load:float=HW_DECODER_LOAD, # GPU only: share of JPEGs given to the hardware JPEG decoder
                boxes:DataNode|None=None, # `needs_boxes`: each item's boxes, `[n, 4]` ltrb source pixels (None: a plain random crop)
               )->tuple: # (HWC uint8 images of `self.size`, per-sample `(x0, y0, x1, y1)` source window they show)
         "Decode, crop or pad, and resize to `self.size`, as the fastai transform does"
@@ -433,7 +433,7 @@ class ImageRecipe:
 
     def decode(self, encoded:DataNode, # encoded images
                device_id:int|None=None, # GPU id, or None for the CPU backend
-               hw_decoder_load:float=0.65, # GPU only: share of JPEGs given to the hardware JPEG decoder
+               hw_decoder_load:float=HW_DECODER_LOAD, # GPU only: share of JPEGs given to the hardware JPEG decoder
                boxes:DataNode|None=None, # each item's boxes, for an item step that crops around them (`needs_boxes`)
               )->tuple: # (item images HWC uint8, per-sample source window `(x0, y0, x1, y1)`)
         "The item step: decode, crop or pad, resize"
@@ -477,7 +477,7 @@ class ImageRecipe:
 
     def graph(self, encoded:DataNode, # encoded images (from fn.readers.file)
               device_id:int|None=None, # GPU id, or None for the CPU backend
-              hw_decoder_load:float=0.65, # GPU only: share of JPEGs given to the hardware JPEG decoder
+              hw_decoder_load:float=HW_DECODER_LOAD, # GPU only: share of JPEGs given to the hardware JPEG decoder
               dtype:str='float32', # 'float32' or 'float16'
               boxes:DataNode|None=None, # each item's boxes, for an item step that crops around them (`needs_boxes`)
              )->dict: # `images` (CHW normalized), `window` and `matrix` (None where there is none)
@@ -492,7 +492,7 @@ class ImageRecipe:
 
     def build(self, encoded:DataNode, # encoded images (from fn.readers.file)
               device_id:int|None=None, # GPU id, or None for the CPU backend
-              hw_decoder_load:float=0.65, # GPU only: share of JPEGs given to the hardware JPEG decoder
+              hw_decoder_load:float=HW_DECODER_LOAD, # GPU only: share of JPEGs given to the hardware JPEG decoder
               dtype:str='float32', # 'float32' or 'float16'
              )->DataNode: # CHW normalized images
         "The images' graph"
@@ -660,7 +660,7 @@ class KeywordRecipe(ImageRecipe):
                            mode='not_smaller')
         return fn.crop(images, crop=(h, w), crop_pos_x=0.5, crop_pos_y=0.5)
 
-    def graph(self, encoded, device_id=None, hw_decoder_load=0.65, dtype='float32', boxes=None)->dict:
+    def graph(self, encoded, device_id=None, hw_decoder_load=HW_DECODER_LOAD, dtype='float32', boxes=None)->dict:
         "`images`; `augment` composes its matrices inside, so `window` and `matrix` are None"
         (h,w),images = self.size,self._decode(encoded, device_id, hw_decoder_load)
         if self.train: images = augment(images, h if h == w else self.size, **self.aug)
@@ -685,7 +685,7 @@ def keyword_recipe(train:bool, # the training recipe (random crop, augment) or t
 def geometry_outputs(recipe:ImageRecipe, # a recipe made from fastai transforms
                      encoded:DataNode, # encoded images
                      device_id:int|None=None, # GPU id, or None for the CPU backend
-                     hw_decoder_load:float=0.65, # GPU only: share of JPEGs given to the hardware JPEG decoder
+                     hw_decoder_load:float=HW_DECODER_LOAD, # GPU only: share of JPEGs given to the hardware JPEG decoder
                      dtype:str='float32', # 'float32' or 'float16'
                      boxes:DataNode|None=None, # each item's boxes, for an item step that crops around them (`recipe.needs_boxes`)
                     )->tuple: # (images, `[4]` source window, `[3, 3]` map from output to item pixels), per sample

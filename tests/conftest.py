@@ -21,6 +21,14 @@ def pytest_configure(config):
                                        '`make gpu-test` runs these on their own, after the others')
 
 
+@pytest.fixture(autouse=True)
+def _tmp_in_pytest_tree(tmp_path, monkeypatch):
+    "`tempfile`'s folders (the notebooks' `mkdtemp()`s, their subprocesses') go under the test's `tmp_path`, which pytest deletes"
+    import tempfile
+    monkeypatch.setenv('TMPDIR', str(tmp_path))
+    monkeypatch.setattr(tempfile, 'tempdir', str(tmp_path))
+
+
 @pytest.fixture(scope='session')
 def files(tmp_path_factory):
     "`MAX_INDEX` index images (`helpers.make_index_images`), shared by every test file that slices them"

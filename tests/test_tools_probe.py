@@ -1,0 +1,43 @@
+"""The GPU diagnostics of `tools/` (`training_wait.py`, `handover_probe.py`) run on the GPU machine only; their parts that
+decide what is measured are checked here, on the CPU: a wrong lever parser or a batch-dropping thread would report
+numbers for something else."""
+import pytest, torch
+
+from helpers import load_tool
+
+
+@pytest.fixture(scope='module')
+def wait(): return load_tool('training_wait')
+
+
+@pytest.fixture(scope='module')
+def probe(): return load_tool('handover_probe')
+
+
+def test_levers_parse_to_loader_keywords(wait):
+    got = wait.parse_levers(['', 'hw_decoder_load=1.0', 'hw_decoder_load=1.0,num_threads=4', 'dtype=float16'])
+    assert got == {'defaults': {}, 'hw_decoder_load=1.0': {'hw_decoder_load': 1.0},
+                   'hw_decoder_load=1.0,num_threads=4': {'hw_decoder_load': 1.0, 'num_threads': 4},
+                   'dtype=float16': {'dtype': 'float16'}}
+    assert isinstance(got['hw_decoder_load=1.0,num_threads=4']['num_threads'], int)
+
+
+def test_step_times_skip_validation_batches(wait):
+    "Validation batches (forward only) once pulled the 'synchronized step' median down to a third of a training step"
+    cb = wait.StepTimes(); cb.before_fit(); cb.training = False
+    for _ in range(3): cb.before_batch(); cb.after_batch()  # a counted batch would synchronize a GPU: none here
+    assert cb.fetch == [] and cb.step == []
+
+
+def test_threaded_keeps_every_batch_in_order(probe):
+    assert list(probe.threaded(iter(range(50)), depth=2)) == list(range(50))
+    assert list(probe.threaded(iter([]))) == []
+
+
+def test_plain_loop_reads_both_batch_kinds(probe):
+    "fastai's typed batch and the bare DALI iterator's list of dicts (its item index stands for the class)"
+    from fastai.torch_core import TensorImage, TensorCategory
+    x,y = probe.xy((TensorImage(torch.zeros(2, 3, 4, 4)), TensorCategory(torch.tensor([1, 2]))))
+    assert type(x) is torch.Tensor and type(y) is torch.Tensor
+    x,y = probe.xy([{'images': torch.zeros(2, 3, 4, 4), 'index': torch.tensor([[13], [4]])}])
+    assert y.tolist() == [3, 4]
