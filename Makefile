@@ -32,6 +32,9 @@ $(STAMP): pyproject.toml
 	@key="$$(cksum < pyproject.toml) $(TORCH_PKGS)"; \
 	if [ -f $@ ] && [ "$$(cat $@)" = "$$key" ]; then touch $@; exit 0; fi; \
 	test -x $(BIN)/python || { echo "== $(PYTHON) -m venv $(VENV)"; $(PYTHON) -m venv $(VENV); }; \
+	free="$$(df -Pk $(VENV) | awk 'NR==2 {print int($$4/1048576)}')"; \
+	if [ "$$free" -lt 8 ]; then echo "== warning: $$free GiB free on the disk of $(VENV); torch and torchvision take about 7 GiB" \
+	  "there (a CUDA build): pip may stop with 'No space left on device'" >&2; fi; \
 	echo "== pip install $(TORCH_PKGS)  (from the registry; several GB the first time)"; \
 	$(PIP_INSTALL) $(TORCH_PKGS) 2>&1 | $(QUIET_PIP); \
 	echo '== pip install -e ".[dev]"'; \

@@ -12,7 +12,12 @@ On the GPU machine, in one run:
 
 `--short`: only `next()` of `DaliDataLoader` and `Learner.fit` against the ceiling, for one setting (`--kw name=value`,
 `--legacy` for DALI's legacy executor, DALI_* environment variables set by the caller). `--threaded`: training with
-DALI's `next()` on a thread of its own, against without. The numbers of 2026-11-24 (H100) are in
+DALI's `next()` on a thread of its own, against without. `--cpu-decode`: the training recipe's decode and crop on DALI's
+CPU backend. `--decoder-kw name=value ...`: more of DALI's arguments for the training decoder (the hardware decoder's
+`preallocate_width_hint`/`preallocate_height_hint`, `device_memory_padding`, `host_memory_padding`: nvJPEG frees and
+reallocates buffers that are too small, and a free synchronizes the device); with `--train-if-free`, `--short` trains
+only when `next()` no longer waits. Not run yet: the next thing to try, e.g.
+`python tools/handover_probe.py --short --train-if-free --decoder-kw preallocate_width_hint=640 preallocate_height_hint=640`. The numbers of 2026-11-24 (H100) are in
 nbs/images/step_wait_h100.txt and the bench notebook's "Second round"."""
 import argparse, queue, statistics, threading, time
 import torch, torch.nn.functional as F, torchvision
@@ -97,6 +102,8 @@ if __name__ == '__main__':
     p.add_argument('--threaded', action='store_true', help="only: training with DALI's next() in a thread of its own, against without")
     p.add_argument('--legacy', action='store_true', help="DALI's legacy executor (exec_dynamic=False)")
     p.add_argument('--cpu-decode', action='store_true', help="decode and crop on DALI's CPU threads, augment on the GPU")
+    p.add_argument('--decoder-kw', nargs='*', default=[], help="name=value for the training decoder (preallocate hints, memory padding)")
+    p.add_argument('--train-if-free', action='store_true', help="--short: train only if next() waited under 20 ms")
     p.add_argument('--kw', nargs='*', default=[], help="name=value for DaliDataLoaders.from_folder")
     a = p.parse_args()
     if a.legacy:  # a diagnostic, not the library's way: every pipeline built with exec_dynamic=False
@@ -105,6 +112,16 @@ if __name__ == '__main__':
     if a.cpu_decode:  # a diagnostic too: the training recipe's decode-and-crop on the CPU backend, then to the GPU
         import dali_fastai.pipeline as dp, dali_fastai.translate as dt
         dt.decode_random_crop = lambda encoded, size, device_id, **k: dp.decode_random_crop(encoded, size, None, **k).gpu()
+    if a.decoder_kw:  # a diagnostic too: the training recipe's decoder with more of DALI's arguments
+        import dali_fastai.translate as dt
+        from nvidia.dali import fn, types
+        extra = {k: int(v) for k,v in (x.split('=') for x in a.decoder_kw)}
+        def decode_random_crop(encoded, size, device_id, area=(0.08, 1.), ratio=(3/4, 4/3), hw_decoder_load=0.65):
+            images = fn.decoders.image_random_crop(encoded, device='mixed', output_type=types.RGB, random_area=list(area),
+                                                   random_aspect_ratio=list(ratio), num_attempts=10,
+                                                   hw_decoder_load=hw_decoder_load, **extra)
+            return fn.resize(images, resize_x=size, resize_y=size)
+        dt.decode_random_crop = decode_random_crop
     kw = {k: (float(v) if '.' in v else int(v)) for k,v in (x.split('=') for x in a.kw)}
     path,synth = bench_images(),SyntheticLoader(256, 224, 10, torch.device('cuda'))
     dls = DaliDataLoaders.from_folder(path, bs=256, size=224, device='gpu', seed=0, **kw)
@@ -126,7 +143,9 @@ if __name__ == '__main__':
     if a.short:
         import os
         env = ' '.join(f"{k}={v}" for k,v in os.environ.items() if k.startswith('DALI_'))
-        print(f"-- legacy={a.legacy} cpu_decode={a.cpu_decode} {kw} {env}: DaliDataLoader {blocking(_endless(dls.train.new()), cpm)}", flush=True)
+        waits = blocking(_endless(dls.train.new()), cpm)
+        print(f"-- legacy={a.legacy} cpu_decode={a.cpu_decode} {kw} {a.decoder_kw} {env}: DaliDataLoader {waits}", flush=True)
+        if a.train_if_free and float(waits.split()[1]) > 20: raise SystemExit
         sdls = DataLoaders(synth, synth)
         print(f"   loader alone {side_by_side({'dl': dls.train.new()}, torch.device('cuda'))['dl']:,.0f} img/s", flush=True)
         r = [(training_throughput(sdls, a.arch, c=10), training_throughput(dls, a.arch, c=dls.c)) for _ in range(2)]
