@@ -41,3 +41,15 @@ def test_plain_loop_reads_both_batch_kinds(probe):
     assert type(x) is torch.Tensor and type(y) is torch.Tensor
     x,y = probe.xy([{'images': torch.zeros(2, 3, 4, 4), 'index': torch.tensor([[13], [4]])}])
     assert y.tolist() == [3, 4]
+
+
+def test_ddp_bench_separates_the_loader_the_model_and_fastai():
+    "Issue 16's DDP decomposition: the plain loop on a random batch and fed by the loader, each with fastai's model"
+    ddp = load_tool('ddp_bench')
+    flags = [tuple(extra) for _,extra in ddp.CASES]
+    assert ('--synthetic', '--fastai-model') in flags and ('--plain-dali', '--fastai-model') in flags
+    assert flags[-2:] == [(), ('--sync-bn',)]  # `compare` takes sync_bn's one-GPU number from the row before it
+    theirs,plain = ddp.plain_model(True),ddp.plain_model(False)
+    x = torch.zeros(2, 3, 64, 64)
+    assert theirs.eval()(x).shape == plain.eval()(x).shape == (2, 10)
+    assert type(theirs).__name__ == 'Sequential' and type(plain).__name__ == 'ResNet'  # fastai's body + head

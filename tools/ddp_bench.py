@@ -7,7 +7,10 @@ or one case:  torchrun --nproc_per_node N tools/ddp_bench.py [--loader-only | --
 Every rank reads its own shard (`DaliDistributed`); `bs` is per GPU. Epoch 1 warms up (cuDNN, DALI); the later epochs
 are timed. `--loader-only` times the sharded training loader alone (no model), to tell a data-bound run from a
 compute-bound one; `--synthetic` times the same training step in a plain PyTorch DDP loop on one random batch kept on
-the GPU (no loader, no fastai): the scaling this host allows."""
+the GPU (no loader, no fastai): the scaling this host allows. Two more cases separate the loader from the model and
+from fastai's loop: `--plain-dali` runs that plain loop on this rank's shard of `DaliDataLoaders` (the loader's cost
+to training, without fastai), and `--fastai-model` gives either plain loop the model `vision_learner` trains (the
+resnet50 body with fastai's head) instead of torchvision's resnet50 (the model's cost)."""
 import argparse, contextlib, json, os, subprocess, sys, tempfile, time
 from pathlib import Path
 
@@ -19,7 +22,7 @@ from fastai.callback.fp16 import MixedPrecision  # noqa: F401 (adds Learner.to_b
 from fastai.callback.schedule import fit_one_cycle  # noqa: F401 (adds Learner.fit_one_cycle)
 from fastai.distributed import *  # noqa: F401,F403 (adds Learner.distrib_ctx)
 from fastai.metrics import accuracy
-from fastai.vision.learner import vision_learner
+from fastai.vision.learner import vision_learner, create_vision_model
 from torchvision.models import resnet50
 
 from dali_fastai.bench import bench_images
@@ -55,30 +58,43 @@ def fit_epochs(dls, epochs:int, world:int, sync_bn:bool)->list:
     return timer.times
 
 
-def synthetic_epochs(epochs:int, n_batches:int, bs:int, size:int, world:int)->list:
-    "Wall time of `epochs` epochs of `n_batches` resnet50 steps (bf16 autocast, channels_last, Adam) on a random GPU batch"
-    dev = torch.device('cuda', int(os.environ.get('LOCAL_RANK', 0)))
-    torch.cuda.set_device(dev)
-    model = resnet50(num_classes=10).to(dev, memory_format=torch.channels_last)
+def plain_model(fastai_model:bool, c:int=10):
+    "torchvision's resnet50, or the resnet50 `vision_learner` builds (fastai's head), untrained"
+    return create_vision_model(resnet50, c, pretrained=False) if fastai_model else resnet50(num_classes=c)
+
+
+def plain_epochs(epochs:int, batches, # `batches()`: one epoch's (x, y) batches, on this rank's GPU
+                 world:int, fastai_model:bool)->list:
+    "Wall time of `epochs` epochs of resnet50 steps (bf16 autocast, channels_last, Adam) in a plain PyTorch (DDP) loop"
+    dev = torch.device('cuda', torch.cuda.current_device())
+    model = plain_model(fastai_model).to(dev, memory_format=torch.channels_last)
     if world > 1:
         torch.distributed.init_process_group('nccl', device_id=dev)
         model = DistributedDataParallel(model, device_ids=[dev.index])
     opt = torch.optim.Adam(model.parameters(), 1e-3)
-    x = torch.randn(bs, 3, size, size, device=dev).to(memory_format=torch.channels_last)
-    y = torch.randint(0, 10, (bs,), device=dev)
     times = []
     for _ in range(epochs):
         torch.cuda.synchronize(); start = time.perf_counter()
-        for _ in range(n_batches):
-            with torch.autocast('cuda', dtype=torch.bfloat16): loss = F.cross_entropy(model(x), y)
+        for x,y in batches():
+            x = x.as_subclass(torch.Tensor).contiguous(memory_format=torch.channels_last)
+            with torch.autocast('cuda', dtype=torch.bfloat16): loss = F.cross_entropy(model(x), y.as_subclass(torch.Tensor))
             opt.zero_grad(); loss.backward(); opt.step()
         torch.cuda.synchronize(); times.append(time.perf_counter() - start)
     if world > 1: torch.distributed.destroy_process_group()
     return times
 
 
+def synthetic_batches(n_batches:int, bs:int, size:int):
+    "`batches` for `plain_epochs`: one random batch kept on the GPU, `n_batches` times an epoch"
+    x = torch.randn(bs, 3, size, size, device='cuda').to(memory_format=torch.channels_last)
+    y = torch.randint(0, 10, (bs,), device='cuda')
+    return lambda: ((x, y) for _ in range(n_batches))
+
+
 CASES = [('the sharded loader alone', ['--loader-only']),
          ('plain PyTorch DDP, a random batch kept on the GPU', ['--synthetic']),
+         ("plain PyTorch DDP, a random batch, fastai's model", ['--synthetic', '--fastai-model']),
+         ("plain PyTorch DDP fed by dali_fastai, fastai's model", ['--plain-dali', '--fastai-model']),
          ('fastai + dali_fastai, `distrib_ctx(sync_bn=False)`', []),
          ("fastai + dali_fastai, `distrib_ctx()` (fastai's default `sync_bn=True`)", ['--sync-bn'])]
 
@@ -107,6 +123,8 @@ def main():
     p.add_argument('--path', default=None); p.add_argument('--bs', type=int, default=128); p.add_argument('--size', type=int, default=224)
     p.add_argument('--n-per-class', type=int, default=2000); p.add_argument('--epochs', type=int, default=4)
     p.add_argument('--loader-only', action='store_true'); p.add_argument('--synthetic', action='store_true')
+    p.add_argument('--plain-dali', action='store_true', help="the plain DDP loop fed by this rank's shard of the loader")
+    p.add_argument('--fastai-model', action='store_true', help="plain loops: vision_learner's resnet50 (fastai's head)")
     p.add_argument('--sync-bn', action='store_true', help="fastai's distrib_ctx default: BatchNorm synchronised across ranks")
     p.add_argument('--compare', type=int, default=0, help='run every case on 1 GPU and on this many, print a table')
     p.add_argument('--result', default=None, help='rank 0 writes {"img_s": ...} here')
@@ -116,10 +134,17 @@ def main():
                 for x in (f"--{k.replace('_', '-')}", str(getattr(a, k)))]
         return compare(a.compare, keep, a.bs)
     rank, world = int(os.environ.get('RANK', 0)), int(os.environ.get('WORLD_SIZE', 1))
+    torch.cuda.set_device(int(os.environ.get('LOCAL_RANK', 0)))
     path = a.path or bench_images(n_per_class=a.n_per_class)  # the same folder on every rank (written once, atomically)
     dls = DaliDataLoaders.from_folder(path, valid_pct=0.1, bs=a.bs, size=a.size, seed=0)
     n_imgs = len(dls.train.shard(rank, world, seed=0))*a.bs  # a rank's training images an epoch, as the fit shards them
-    if a.synthetic: times,what = synthetic_epochs(a.epochs, n_imgs//a.bs, a.bs, a.size, world),'resnet50 bf16, synthetic data, plain DDP'
+    model = "fastai's resnet50" if a.fastai_model else 'resnet50'
+    if a.synthetic:
+        times = plain_epochs(a.epochs, synthetic_batches(n_imgs//a.bs, a.bs, a.size), world, a.fastai_model)
+        what = f'{model} bf16, synthetic data, plain DDP'
+    elif a.plain_dali:
+        dl = dls.train.shard(rank, world, seed=0).to(torch.device('cuda', torch.cuda.current_device()))
+        times,what = plain_epochs(a.epochs, lambda: dl, world, a.fastai_model),f'{model} bf16, dali_fastai shard, plain DDP'
     elif a.loader_only: times,what = loader_epochs(dls.train, a.epochs),'loader only'
     else: times,what = fit_epochs(dls, a.epochs, world, a.sync_bn),f"resnet50 bf16, fastai + dali_fastai, sync_bn={a.sync_bn}"
     timed = sum(times[1:])
