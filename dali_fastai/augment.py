@@ -24,14 +24,14 @@ def hw(size:int|tuple, # an int (a square side) or `(h, w)`, in pixels, as fasta
     if h < 1 or w < 1: raise ValueError(f"size must be a positive number of pixels, got {size!r}")
     return int(h),int(w)
 
-def warp_matrix(x:float, # horizontal shift of the corners, as a fraction of the width
-                y:float, # vertical shift of the corners, as a fraction of the height
+def warp_matrix(x:float|np.ndarray, # horizontal shift of the corners, as a fraction of the width (or an array of them)
+                y:float|np.ndarray, # vertical shift of the corners, as a fraction of the height (same shape as `x`)
                 size:int|tuple, # side of a square image, or `(h, w)`, in pixels
-               )->np.ndarray: # 2×3 destination → source map
+               )->np.ndarray: # 2×3 destination → source map (`[..., 2, 3]` for arrays)
     "The article's synthetic warp: output corners `(0,0), (0,h), (w,0)` read the input at `(-xw,-yh), (xw,h+yh), (w+xw,yh)`"
-    h,w = hw(size)
-    return np.array([[1+2*x, 2*x*w/h, -x*w],
-                     [2*y*h/w, 1+2*y, -y*h]], dtype=np.float32)
+    (h,w),x,y = hw(size),np.asarray(x, np.float32),np.asarray(y, np.float32)
+    return np.stack([np.stack([1+2*x, 2*x*w/h, -x*w], -1),
+                     np.stack([2*y*h/w, 1+2*y, -y*h], -1)], -2).astype(np.float32)
 
 
 # %% ../nbs/01_augment.ipynb #d0c3ea83
@@ -67,12 +67,14 @@ def rotation_matrix(degrees:float, # counter-clockwise as seen on screen, like `
                      [s,  c, cy - s*cx - c*cy]], dtype=np.float32)
 
 # %% ../nbs/01_augment.ipynb #bfb27fbf
-def compose_matrices(*ms:np.ndarray, # 2×3 destination → source maps, in the order the steps apply to the image
-                    )->np.ndarray: # one 2×3 destination → source map doing all steps
+def compose_matrices(*ms:np.ndarray, # 2×3 destination → source maps (or `[..., 2, 3]` stacks of them), in the order the steps apply
+                    )->np.ndarray: # one 2×3 destination → source map doing all steps (`[..., 2, 3]` for stacks)
     "Compose destination → source maps: `compose_matrices(a, b)` warps by `a`, then by `b`"
     res = np.eye(3, dtype=np.float32)
-    for m in ms: res = res @ np.vstack([m, [0, 0, 1]]).astype(np.float32)
-    return res[:2]
+    for m in ms:
+        m = np.asarray(m, np.float32)
+        res = res @ np.concatenate([m, np.broadcast_to(np.float32([0, 0, 1]), (*m.shape[:-2], 1, 3))], -2)
+    return res[..., :2, :]
 
 # %% ../nbs/01_augment.ipynb #0c267151
 _IDENTITY = np.eye(2, 3, dtype=np.float32)
@@ -108,16 +110,9 @@ def random_warps_node(size:int|tuple, # side of a square image, or `(h, w)`, in 
                      )->DataNode: # per-sample 2×3 destination → source map: the product of the `n`
     "`n` of `random_warp_node`'s warps composed, each kept with probability `p`, drawn on the host for the whole batch: one operator, not a dozen a warp"
     if not 0 <= p <= 1: raise ValueError(f"probabilities must be between 0 and 1, got {p}")
-    h,w = hw(size)
-    def draw(bs:int)->torch.Tensor:
-        x,y = ((torch.rand(bs, n, 2)*2 - 1)*magnitude*(torch.rand(bs, n, 1) < p)).unbind(-1)  # (0, 0): the identity
-        m = torch.zeros(bs, n, 3, 3)
-        m[..., 0, 0],m[..., 0, 1],m[..., 0, 2] = 1 + 2*x,2*x*w/h,-x*w
-        m[..., 1, 0],m[..., 1, 1],m[..., 1, 2] = 2*y*h/w,1 + 2*y,-y*h
-        m[..., 2, 2] = 1
-        res = m[:, 0]
-        for k in range(1, n): res = res @ m[:, k]  # as `compose_matrices`: warp k, then warp k+1
-        return res[:, :2]
+    def draw(bs:int)->np.ndarray:
+        x,y = ((torch.rand(bs, n, 2)*2 - 1)*magnitude*(torch.rand(bs, n, 1) < p)).numpy().transpose(2, 1, 0)  # (0, 0): the identity
+        return compose_matrices(*warp_matrix(x, y, size))  # `[n, bs, 2, 3]`: warp k of every sample, then warp k+1
     draws = HostDraws()
     draws.add(draw, alone=True)
     return draws.nodes()[0]

@@ -6,11 +6,12 @@ Docs: https://dali-fastai.github.io/dali_fastai/bench.html.md"""
 
 # %% auto #0
 __all__ = ['BENCH_PHOTOS', 'COMPILED', 'LEFTOVER', 'TARGETS', 'bench_images', 'side_by_side', 'loader_throughput', 'Throughput',
-           'SyntheticLoader', 'learner_throughput', 'training_throughput', 'pipeline_memory', 'machine_info',
-           'fastai_aug_tfms', 'fastai_default_dls', 'aug_transforms_dls', 'left_to_fastai', 'bench', 'compiled_summary',
-           'format_results', 'save_results', 'plot_results', 'coco_dblock', 'camvid_dblock', 'voc_segmentation_dblock',
-           'task_bench', 'format_task', 'detection_bench', 'segmentation_bench', 'scale_folder', 'scale_bench',
-           'format_scale', 'time_to_accuracy', 'format_accuracy', 'shards_bench', 'format_shards']
+           'SyntheticLoader', 'learner_throughput', 'throughput_learner', 'training_throughput', 'pipeline_memory',
+           'machine_info', 'fastai_aug_tfms', 'fastai_default_dls', 'aug_transforms_dls', 'left_to_fastai', 'bench',
+           'compiled_summary', 'format_results', 'save_results', 'plot_results', 'coco_dblock', 'camvid_dblock',
+           'voc_segmentation_dblock', 'task_bench', 'format_task', 'detection_bench', 'segmentation_bench',
+           'scale_folder', 'scale_bench', 'format_scale', 'time_to_accuracy', 'format_accuracy', 'shards_bench',
+           'format_shards']
 
 # %% ../nbs/05_bench.ipynb #77154514
 import datetime, gc, json, math, os, platform, shutil, statistics, time
@@ -184,6 +185,18 @@ def learner_throughput(learn:Learner, # a Learner ready to fit
         rates.append(cb.rate)
     return statistics.median(rates)
 
+def throughput_learner(dls, # DataLoaders to train from
+                       arch:str='resnet18', # torchvision model name
+                       c:int=10, # classes
+                       amp:str|None='bf16', # mixed precision: 'bf16', 'fp16' or None
+                       channels_last:bool=True, # train with channels_last tensors
+                       cbs:list=(), # more callbacks for the `Learner`
+                      )->Learner:
+    "The `Learner` `training_throughput` times: an untrained `arch`, cross-entropy, mixed precision and channels_last"
+    learn = Learner(dls, getattr(torchvision.models, arch)(num_classes=c), loss_func=CrossEntropyLossFlat(), cbs=list(cbs))
+    if channels_last or amp: learn.to_channelslast(use_amp=amp is not None, amp_mode=AMPMode(amp or 'fp16'))
+    return learn
+
 def training_throughput(dls, # DataLoaders to train from
                         arch:str='resnet18', # torchvision model name
                         c:int=10, # classes
@@ -194,10 +207,7 @@ def training_throughput(dls, # DataLoaders to train from
                         cbs:list=(), # more callbacks for the `Learner` (e.g. a lever being tried)
                        )->float: # images per second
     "Median images per second through `Learner.fit` for `arch` fed by `dls`"
-    model = getattr(torchvision.models, arch)(num_classes=c)
-    learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), cbs=list(cbs))
-    if channels_last or amp: learn.to_channelslast(use_amp=amp is not None, amp_mode=AMPMode(amp or 'fp16'))
-    return learner_throughput(learn, n_batches, warmup, passes, clock)
+    return learner_throughput(throughput_learner(dls, arch, c, amp, channels_last, cbs), n_batches, warmup, passes, clock)
 
 # %% ../nbs/05_bench.ipynb #79d31232
 def pipeline_memory(dl, # a loader whose pipeline is not built yet

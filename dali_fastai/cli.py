@@ -258,23 +258,24 @@ def _train(task:str, arch:str|None, valid_pct:float|None=None, pretrained:bool=F
     if task == 'segmentation': return train_segmentation(arch=arch or 'resnet34', **kwargs)
     return train_detection(arch=arch or 'fcos', box_crop=box_crop, **kwargs)
 
+def _saved(res, out, name:str):
+    "`res`, written as JSON to `out/name`"
+    Path(out).mkdir(parents=True, exist_ok=True); (Path(out)/name).write_text(json.dumps(res, indent=1))
+    return res
+
 def _bench(task:str, path, n_per_class:int, size:int|None, bs:int|None, archs:str|None, fastai_loader:bool, out:str,
            scale:bool=False, sizes:str='', epochs:int=5, **kwargs):
     "`bench`, `detection_bench`, `segmentation_bench`, `shards_bench`, `time_to_accuracy` or `scale_bench`, each with its own defaults for what the command line leaves unset"
     if scale:
-        rows = scale_bench(tuple(int(n) for n in sizes.split(',') if n), path)
-        Path(out).mkdir(parents=True, exist_ok=True); (Path(out)/'scale.json').write_text(json.dumps(rows, indent=1))
-        return rows
+        return _saved(scale_bench(tuple(int(n) for n in sizes.split(',') if n), path), out, 'scale.json')
     if task == 'accuracy':
         for k in ('n_batches', 'warmup', 'passes'): kwargs.pop(k, None)
-        res = time_to_accuracy(path, (archs or 'resnet18').split(',')[0], epochs, size=size or 224, bs=bs or 256, **kwargs)
-        Path(out).mkdir(parents=True, exist_ok=True); (Path(out)/'accuracy.json').write_text(json.dumps(res, indent=1))
-        return res
+        return _saved(time_to_accuracy(path, (archs or 'resnet18').split(',')[0], epochs, size=size or 224, bs=bs or 256,
+                                       **kwargs), out, 'accuracy.json')
     if task == 'shards':
         kwargs.pop('workers', None)
-        res = shards_bench(path if path is not None else bench_images(n_per_class=n_per_class), size or 224, bs or 256, **kwargs)
-        Path(out).mkdir(parents=True, exist_ok=True); (Path(out)/'shards.json').write_text(json.dumps(res, indent=1))
-        return res
+        return _saved(shards_bench(path if path is not None else bench_images(n_per_class=n_per_class), size or 224, bs or 256,
+                                   **kwargs), out, 'shards.json')
     other = task != 'classification'
     size,bs = size or (128 if other else 224),bs or (64 if other else 256)
     default = {'detection': 'fcos', 'segmentation': 'resnet34'}.get(task, 'resnet18,resnet50')

@@ -22,7 +22,8 @@ from fastai.data.core import DataLoaders, TfmdLists
 from fasttransform import Pipeline
 from fastcore.basics import noop
 from fastai.data.transforms import (Categorize, MultiCategorize, RandomSplitter, GrandparentSplitter, RegexLabeller,
-                                    ColReader, get_image_files, image_extensions, parent_label, ToTensor, IntToFloatTensor)
+                                    ColReader, get_image_files, image_extensions, parent_label, ToTensor, IntToFloatTensor,
+                                    _get_files)
 from fastai.vision.core import PILBase, PILImage, PILMask, TensorBBox, TensorPoint, PointScaler, BBoxLabeler, AddMaskCodes
 from fastai.vision.data import bb_pad
 from .files import image_format, DECODABLE
@@ -81,11 +82,10 @@ def _folder_files(path:Path, # the dataset's root
                  )->list: # `[(folder, [image Paths]), ...]`
     "fastai's `get_image_files(path, folders=folders)` a folder at a time: the same files in the same order"
     exts,res = {e.lower() for e in image_extensions},[]
-    for i,(p,d,fs) in enumerate(os.walk(path, followlinks=True)):
+    for i,(p,d,fs) in enumerate(os.walk(path, followlinks=True)):  # `get_files`'s walk, keeping each folder's files apart
         d[:] = [o for o in d if o in folders] if i == 0 else [o for o in d if not o.startswith('.')]
         if i == 0 and '.' not in folders: continue
-        p = Path(p)
-        res.append((p, [p/f for f in fs if not f.startswith('.') and f'.{f.split(".")[-1].lower()}' in exts]))
+        res.append((Path(p), _get_files(p, fs, exts)))
     return res
 
 def _column(df:pd.DataFrame, col)->list:

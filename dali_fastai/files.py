@@ -126,12 +126,9 @@ def _check_chunk(files:list, todo:list, full:bool)->list:
 
 def _store(folder, files:list, results:list):
     "Add `(index, stat key, reason)` verdicts to the cache of each file's folder"
-    by_folder = {}
-    for d,idx in _folders([files[i] for i,_,_ in results]).items():
-        by_folder[d] = {os.path.basename(files[results[k][0]]): [*results[k][1], results[k][2]] for k in idx}
-    for d,new in by_folder.items():
+    for d,idx in _folders([files[i] for i,_,_ in results]).items():  # `idx`: positions in `results`
         path = _cache_file(folder, d)
-        _save(path, {**_load(path), **new})
+        _save(path, {**_load(path), **{os.path.basename(files[results[k][0]]): [*results[k][1], results[k][2]] for k in idx}})
 
 def _map_waiting(f, tasks, workers:int)->list:
     "`[f(t) for t in tasks]`: in this thread while `f` keeps it busy (threads would only take turns holding the GIL), in `workers` threads once it mostly waits (a cold disk, a network file system)"

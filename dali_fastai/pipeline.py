@@ -61,11 +61,12 @@ def decode_random_crop(encoded:DataNode, # encoded images
                        area:tuple=(0.08, 1.), # range of the crop's area, as a fraction of the image
                        ratio:tuple=(3/4, 4/3), # range of the crop's aspect ratio
                        hw_decoder_load:float=HW_DECODER_LOAD, # GPU only: share of JPEGs given to the hardware JPEG decoder
+                       **decoder, # more of `fn.decoders.image_random_crop`'s arguments (`preallocate_width_hint`, `device_memory_padding`...)
                       )->DataNode: # `size`×`size` RGB images, HWC uint8
     "fastai's `RandomResizedCrop`, decoding only the crop window"
     images = fn.decoders.image_random_crop(encoded, device=decoder_device(device_id), output_type=types.RGB,
                                            random_area=list(area), random_aspect_ratio=list(ratio), num_attempts=10,
-                                           **_hw_load(device_id, hw_decoder_load))
+                                           **_hw_load(device_id, hw_decoder_load), **decoder)
     return fn.resize(images, resize_x=size, resize_y=size)
 
 def decode_center_crop(encoded:DataNode, # encoded images

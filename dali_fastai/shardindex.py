@@ -54,7 +54,7 @@ def _plain_members(tar:Path)->list:
                 if off == 0: raise _NotUstar("no ustar header at byte 0")
                 raise _Cut(f"no tar header at byte {off}", out)
             kind,data = h[156],off + 512
-            n = int(h[124:136].strip(b' \0') or b'0', 8) if h[124] < 0x80 else _number(h[124:136])
+            n = _number(h[124:136])
             if kind == _PAX:
                 ext = m[data:data + n]
                 pax = _pax(ext) if b'path=' in ext or b'size=' in ext else {}
@@ -96,13 +96,11 @@ def _members(tar:Path)->list:
                          "write it again (dali-fastai shards)") from None
 
 def _wds_index_text(tar:Path)->str:
-    "DALI's index of `tar`: `v1.2 <samples>`, then a line a sample (as `_samples` groups them, built in the same pass)"
+    "DALI's index of `tar`: `v1.2 <samples>`, then a line a sample: its files, consecutive members with one key (`_split`)"
     lines,key,files = [],None,[]
     for name,off,n in _members(tar):
-        d = name.rfind('/') + 1
-        if name.startswith('.', d): continue  # hidden files are not samples
-        d = name.find('.', d)
-        k,ext = (name, '') if d < 0 else (name[:d], name[d + 1:])
+        if name.startswith('.', name.rfind('/') + 1): continue  # hidden files are not samples
+        k,ext = _split(name)
         if k != key:
             if files: lines.append(' '.join(files))
             key,files = k,[]

@@ -10,7 +10,7 @@ __all__ = ['IMAGE_EXTS', 'SHARD_FORMATS', 'TARGETS_FILE', 'shard_index', 'index_
            'tfrecord_records', 'tfrecord_index', 'TFRecordItems', 'dblock_shards', 'shard_targets']
 
 # %% ../nbs/03d_shards.ipynb #4c7d1343
-import io, os, random, struct
+import io, os, pickle, random, struct
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
@@ -405,7 +405,6 @@ def dblock_shards(dblock, # a fastai `DataBlock`: an `ImageBlock`, then category
                   format:str='webdataset', # 'webdataset' or 'tfrecord'
                  )->dict: # split: shards written
     "Write a DataBlock's images as shards and its targets, encoded by fastai, beside them"
-    import pickle
     from dali_fastai.data import dblock_items, _target_kinds  # here: data imports this module
     if 'mask' in _target_kinds(dblock): raise ValueError(
         "this DataBlock has mask targets (MaskBlock), which DALI reads from files of their own beside each image: they are not "
@@ -418,7 +417,6 @@ def dblock_shards(dblock, # a fastai `DataBlock`: an `ImageBlock`, then category
 
 def shard_targets(path)->dict|None:
     "The targets `dblock_shards` wrote beside the shards in `path` (`{split: (Target, ...)}`), or None"
-    import pickle
     f = Path(path)/TARGETS_FILE
     if not f.is_file(): return None
     with open(f, 'rb') as fh: return pickle.load(fh)

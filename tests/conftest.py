@@ -21,12 +21,15 @@ def pytest_configure(config):
                                        '`make gpu-test` runs these on their own, after the others')
 
 
-@pytest.fixture(autouse=True)
-def _tmp_in_pytest_tree(tmp_path, monkeypatch):
-    "`tempfile`'s folders (the notebooks' `mkdtemp()`s, their subprocesses') go under the test's `tmp_path`, which pytest deletes"
-    import tempfile
-    monkeypatch.setenv('TMPDIR', str(tmp_path))
-    monkeypatch.setattr(tempfile, 'tempdir', str(tmp_path))
+@pytest.fixture(scope='session', autouse=True)
+def _tmp_in_pytest_tree(tmp_path_factory):
+    "`tempfile`'s folders (the notebooks' `mkdtemp()`s, their subprocesses') go under one folder of the session, deleted at its end; session-scoped, so module fixtures get it too"
+    import shutil, tempfile
+    d = tmp_path_factory.mktemp('tempfile')
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv('TMPDIR', str(d)); mp.setattr(tempfile, 'tempdir', str(d))
+        yield d
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope='session')

@@ -1,6 +1,6 @@
 """The docs short of Quarto: nbdev's processors turn every notebook into a page, and every exported name gets its
 `show_doc` entry. (Rendering the pages to HTML needs Quarto, which is checked where Quarto is installed.)"""
-import importlib, json, os, shutil, subprocess, sys
+import importlib, json, shutil, subprocess, sys
 from pathlib import Path
 import pytest
 
@@ -15,11 +15,8 @@ def proc(tmp_path_factory):
     shutil.copytree(ROOT/'nbs', dest/'nbs')
     shutil.copytree(ROOT/'dali_fastai', dest/'dali_fastai')
     shutil.copy(ROOT/'pyproject.toml', dest/'pyproject.toml')
-    # the processors run cells that make temporary folders: under `dest` (a module fixture is set up before conftest's
-    # per-test TMPDIR)
-    (dest/'tmp').mkdir()
     res = subprocess.run([sys.executable, '-c', 'from nbdev.serve import proc_nbs; proc_nbs(n_workers=1)'],
-                         cwd=dest, capture_output=True, text=True, timeout=300, env={**os.environ, 'TMPDIR': str(dest/'tmp')})
+                         cwd=dest, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     return dest/'_proc'
 

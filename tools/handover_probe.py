@@ -113,15 +113,8 @@ if __name__ == '__main__':
         import dali_fastai.pipeline as dp, dali_fastai.translate as dt
         dt.decode_random_crop = lambda encoded, size, device_id, **k: dp.decode_random_crop(encoded, size, None, **k).gpu()
     if a.decoder_kw:  # a diagnostic too: the training recipe's decoder with more of DALI's arguments
-        import dali_fastai.translate as dt
-        from nvidia.dali import fn, types
-        extra = {k: int(v) for k,v in (x.split('=') for x in a.decoder_kw)}
-        def decode_random_crop(encoded, size, device_id, area=(0.08, 1.), ratio=(3/4, 4/3), hw_decoder_load=0.65):
-            images = fn.decoders.image_random_crop(encoded, device='mixed', output_type=types.RGB, random_area=list(area),
-                                                   random_aspect_ratio=list(ratio), num_attempts=10,
-                                                   hw_decoder_load=hw_decoder_load, **extra)
-            return fn.resize(images, resize_x=size, resize_y=size)
-        dt.decode_random_crop = decode_random_crop
+        import functools, dali_fastai.pipeline as dp, dali_fastai.translate as dt
+        dt.decode_random_crop = functools.partial(dp.decode_random_crop, **{k: int(v) for k,v in (x.split('=') for x in a.decoder_kw)})
     kw = {k: (float(v) if '.' in v else int(v)) for k,v in (x.split('=') for x in a.kw)}
     path,synth = bench_images(),SyntheticLoader(256, 224, 10, torch.device('cuda'))
     dls = DaliDataLoaders.from_folder(path, bs=256, size=224, device='gpu', seed=0, **kw)

@@ -14,15 +14,12 @@
 4. `training_throughput` for each setting (`--levers`, each `name=value` for `DaliDataLoaders.from_folder`), taken in
    turn twice after a warm-up run, against the synthetic ceiling."""
 import argparse, collections, statistics, time
-import torch, torchvision
+import torch
 from torch.profiler import profile, ProfilerActivity
 from fastai.callback.core import Callback, CancelFitException
-from fastai.callback.fp16 import AMPMode
 from fastai.data.core import DataLoaders
-from fastai.learner import Learner
-from fastai.losses import CrossEntropyLossFlat
 
-from dali_fastai.bench import bench_images, training_throughput, side_by_side, SyntheticLoader
+from dali_fastai.bench import bench_images, training_throughput, throughput_learner, side_by_side, SyntheticLoader
 from dali_fastai.data import DaliDataLoaders
 
 
@@ -56,14 +53,8 @@ class Profile(Callback):
             raise CancelFitException()
 
 
-def learner(dls, arch:str)->Learner:
-    learn = Learner(dls, getattr(torchvision.models, arch)(num_classes=dls.c), loss_func=CrossEntropyLossFlat())
-    learn.to_channelslast(use_amp=True, amp_mode=AMPMode('bf16'))
-    return learn
-
-
 def step_times(dls, arch:str)->str:
-    learn,cb = learner(dls, arch),StepTimes()
+    learn,cb = throughput_learner(dls, arch, dls.c),StepTimes()
     with learn.no_bar(), learn.no_logging(): learn.fit(2, cbs=cb)
     f,s = statistics.median(cb.fetch[5:]),statistics.median(cb.step[5:])
     return f"hand-over {1e3*f:.2f} ms, synchronized step {1e3*s:.2f} ms ({dls.bs/(f+s):,.0f} img/s)"
@@ -71,7 +62,7 @@ def step_times(dls, arch:str)->str:
 
 def kernel_time(dls, arch:str, n:int=20)->str:
     "GPU kernel milliseconds a training batch, by stream, with each stream's busiest kernels"
-    learn,cb = learner(dls, arch),Profile(n)
+    learn,cb = throughput_learner(dls, arch, dls.c),Profile(n)
     with learn.no_bar(), learn.no_logging(): learn.fit(100, cbs=cb)
     by_stream,names = collections.Counter(),collections.defaultdict(collections.Counter)
     for e in cb.prof.profiler.kineto_results.events():
