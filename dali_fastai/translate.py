@@ -27,7 +27,7 @@ from fastai.vision.augment import _WarpCoord, find_coeffs
 from .augment import hw
 from .draws import HostDraws, stand_in, check_draw, independent
 from .pipeline import (IMAGENET_MEAN, IMAGENET_STD, HW_DECODER_LOAD, decode_random_crop, decode_center_crop, augment, normalize,
-                                  decoder_device)
+                                  decoder_args)
 
 # %% ../nbs/02b_translate.ipynb #a1b5f53d
 try: from dali_fastai import colour as _colour  # fastai's lighting transforms as DALI nodes
@@ -103,10 +103,6 @@ def _border(pad_mode, align_corners=True):
     pad_mode = str(pad_mode)
     if pad_mode not in _BORDERS: raise ValueError(f"pad_mode must be one of {list(_BORDERS)}, got {pad_mode!r}")
     return 'reflect' if pad_mode == 'reflection' and not align_corners else _BORDERS[pad_mode]
-
-def _hw_load(device_id, load):
-    if not 0 <= load <= 1: raise ValueError(f"hw_decoder_load must be between 0 and 1, got {load}")
-    return {} if device_id is None else {'hw_decoder_load': load}
 
 def _image_hw(encoded):
     "Per-sample height and width of the encoded images, as float scalars"
@@ -194,7 +190,7 @@ class ItemStep:
                boxes:DataNode|None=None, # `needs_boxes`: each item's boxes, `[n, 4]` ltrb source pixels (None: a plain random crop)
               )->tuple: # (HWC uint8 images of `self.size`, per-sample `(x0, y0, x1, y1)` source window they show)
         "Decode, crop or pad, and resize to `self.size`, as the fastai transform does"
-        kw = dict(device=decoder_device(device_id), output_type=types.RGB, **_hw_load(device_id, hw_decoder_load))
+        kw = decoder_args(device_id, hw_decoder_load)
         if self.needs_boxes and boxes is not None: return self._box_crop(encoded, kw, boxes)
         if isinstance(self.tfm, RandomResizedCrop): return self._rrc(encoded, kw)
         if isinstance(self.tfm, Resize): return self._resize(encoded, kw)
@@ -650,7 +646,7 @@ class KeywordRecipe(ImageRecipe):
         self.rows.append(('mean, std', 'fn.crop_mirror_normalize' + (' (mean/std)' if mean is not None else ' (scale to 0..1)')))
 
     def _decode(self, encoded, device_id, hw_decoder_load):
-        (h,w),kw = self.size,dict(device=decoder_device(device_id), output_type=types.RGB, **_hw_load(device_id, hw_decoder_load))
+        (h,w),kw = self.size,decoder_args(device_id, hw_decoder_load)
         if self.train:
             if h == w: return decode_random_crop(encoded, h, device_id, area=self.area, ratio=self.ratio, hw_decoder_load=hw_decoder_load)
             return _resize(fn.decoders.image_random_crop(encoded, random_area=list(self.area), num_attempts=10,

@@ -1,4 +1,4 @@
-"""The GPU diagnostics of `tools/` (`training_wait.py`, `handover_probe.py`) run on the GPU machine only; their parts that
+"""The GPU diagnostics of `tools/` (`training_wait.py`, `handover_probe.py`, `step_times.py`) run on the GPU machine only; their parts that
 decide what is measured are checked here, on the CPU: a wrong lever parser or a batch-dropping thread would report
 numbers for something else."""
 import pytest, torch
@@ -53,3 +53,17 @@ def test_ddp_bench_separates_the_loader_the_model_and_fastai():
     x = torch.zeros(2, 3, 64, 64)
     assert theirs.eval()(x).shape == plain.eval()(x).shape == (2, 10)
     assert type(theirs).__name__ == 'Sequential' and type(plain).__name__ == 'ResNet'  # fastai's body + head
+
+
+def test_step_times_split_steps_inside_and_into_an_epoch():
+    "Only training batches are stamped, and the step into an epoch's first batch (validation before it) is kept apart"
+    st = load_tool('step_times')
+    cb = st.Stamps(); cb.before_fit()
+    for training,epoch,i in [(True, 0, 0), (True, 0, 1), (False, 0, 0), (True, 1, 0), (True, 1, 1), (True, 1, 2)]:
+        cb.learn = type('L', (), dict(training=training, epoch=epoch, iter=i))()
+        cb.before_batch()
+    assert [(e, i) for e,i,_ in cb.t] == [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2)]
+    stamps = [(0, 0, 0.0), (0, 1, 0.010), (1, 0, 0.200), (1, 1, 0.210), (1, 2, 0.225)]
+    inside,first = st.step_gaps(stamps, 0)
+    assert [round(g) for g in inside] == [10, 10, 15] and [round(g) for g in first] == [190]
+    assert st.step_gaps(stamps, 2) == ([pytest.approx(10), pytest.approx(15)], [])

@@ -13,12 +13,14 @@ On the GPU machine, in one run:
 `--short`: only `next()` of `DaliDataLoader` and `Learner.fit` against the ceiling, for one setting (`--kw name=value`,
 `--legacy` for DALI's legacy executor, DALI_* environment variables set by the caller). `--threaded`: training with
 DALI's `next()` on a thread of its own, against without. `--cpu-decode`: the training recipe's decode and crop on DALI's
-CPU backend. `--decoder-kw name=value ...`: more of DALI's arguments for the training decoder (the hardware decoder's
+CPU backend. `--parts`: which step of the bare iterator's `next()` waits (share_outputs, from_dlpack, release_outputs,
+schedule_run, dropping the batch). `--decoder-kw name=value ...`: more of DALI's arguments for the training decoder (the hardware decoder's
 `preallocate_width_hint`/`preallocate_height_hint`, `device_memory_padding`, `host_memory_padding`: nvJPEG frees and
 reallocates buffers that are too small, and a free synchronizes the device); with `--train-if-free`, `--short` trains
-only when `next()` no longer waits. Not run yet: the next thing to try, e.g.
-`python tools/handover_probe.py --short --train-if-free --decoder-kw preallocate_width_hint=640 preallocate_height_hint=640`. The numbers of 2026-11-24 (H100) are in
-nbs/images/step_wait_h100.txt and the bench notebook's "Second round"."""
+only when `next()` no longer waits. `--parts` with `--decoder-kw preallocate_width_hint=1 preallocate_height_hint=1`
+shows the wait that the library's default hints (`pipeline.HW_DECODER_HINT`) remove, and the device memory each hint
+takes. The numbers of 2026-11-24 (H100) are in nbs/images/step_wait_h100.txt and the bench notebook's "Second round"
+and "The step no longer waits"."""
 import argparse, queue, statistics, threading, time
 import torch, torch.nn.functional as F, torchvision
 from fastai.callback.core import Callback
@@ -46,6 +48,25 @@ def blocking(it, cpm:float, queued_ms:float=50, n:int=7, work=None, take_on=None
         t1 = time.perf_counter(); del b; t2 = time.perf_counter()
         torch.cuda.synchronize(); take.append(t1 - t0); drop.append(t2 - t1)
     return f"next() {1e3*statistics.median(take):6.2f} ms, drop {1e3*statistics.median(drop):6.2f} ms (of {queued_ms:.0f} ms queued)"
+
+
+def parts(it, cpm:float, queued_ms:float=50, n:int=7)->str:
+    "Host milliseconds of each step of the bare DALI iterator's `next()`, with `queued_ms` of GPU work queued on PyTorch's stream: which one waits"
+    for _ in range(3): next(it)
+    from nvidia.dali import types
+    p,steps = it._pipes[0],{'share_outputs': [], 'from_dlpack': [], 'release_outputs': [], 'schedule_run': [], 'drop': []}
+    for _ in range(n):
+        torch.cuda.synchronize(); torch.cuda._sleep(int(queued_ms*cpm))
+        t = [time.perf_counter()]
+        with p._check_api_type_scope(types.PipelineAPIType.ITERATOR): outs = p.share_outputs(); t.append(time.perf_counter())
+        ts = [torch.from_dlpack(o.as_tensor()) for o in outs]; t.append(time.perf_counter())
+        with p._check_api_type_scope(types.PipelineAPIType.ITERATOR): p.release_outputs()
+        t.append(time.perf_counter())
+        with p._check_api_type_scope(types.PipelineAPIType.ITERATOR): p.schedule_run()
+        t.append(time.perf_counter())
+        del ts, outs; t.append(time.perf_counter())
+        for k,a,b in zip(steps, t, t[1:]): steps[k].append(b - a)
+    return ', '.join(f"{k} {1e3*statistics.median(v):.2f}" for k,v in steps.items()) + f" ms (of {queued_ms:.0f} ms queued)"
 
 
 def xy(b):
@@ -104,6 +125,7 @@ if __name__ == '__main__':
     p.add_argument('--cpu-decode', action='store_true', help="decode and crop on DALI's CPU threads, augment on the GPU")
     p.add_argument('--decoder-kw', nargs='*', default=[], help="name=value for the training decoder (preallocate hints, memory padding)")
     p.add_argument('--train-if-free', action='store_true', help="--short: train only if next() waited under 20 ms")
+    p.add_argument('--parts', action='store_true', help="only: which step of the bare iterator's next() waits")
     p.add_argument('--kw', nargs='*', default=[], help="name=value for DaliDataLoaders.from_folder")
     a = p.parse_args()
     if a.legacy:  # a diagnostic, not the library's way: every pipeline built with exec_dynamic=False
@@ -120,6 +142,11 @@ if __name__ == '__main__':
     dls = DaliDataLoaders.from_folder(path, bs=256, size=224, device='gpu', seed=0, **kw)
     cpm = cycles_per_ms()
     print(f"== {torch.cuda.get_device_name()} | {a.arch}, bs 256, 224 px | {cpm:,.0f} cycles/ms", flush=True)
+    if a.parts:
+        free = torch.cuda.mem_get_info()[0]
+        took = parts(dls.train.new()._iterator(), cpm)
+        print(f"-- {kw} {a.decoder_kw}: bare iterator {took}; device memory used {(free - torch.cuda.mem_get_info()[0])/2**30:.2f} GiB", flush=True)
+        raise SystemExit
     if a.threaded:
         sdls,tdls = DataLoaders(synth, synth),DataLoaders(Threaded(dls.train), Threaded(dls.valid))
         rows = {'plain loop, synthetic': lambda: plain_loop(_endless(synth), a.arch),

@@ -1,0 +1,75 @@
+"""Where inside `Learner.fit` does a DaliDataLoader-fed ResNet-18 lose its time? On the GPU machine:
+
+    python tools/step_times.py [--n-per-class 500] [--kw num_threads=4]
+
+1. The host time between one training batch and the next, through `Learner.fit`, fed by a synthetic batch kept on the
+   GPU and by `DaliDataLoaders.from_folder(bench_images(...))`, taken in turn twice: the median step inside an epoch,
+   and the step that starts an epoch (which includes the validation pass before it). Epochs 2-4 of 4.
+2. Which PyTorch operations synchronize the device during a DALI-fed fit (`torch.cuda.set_sync_debug_mode('warn')`),
+   grouped by the Python stack that called them.
+
+The numbers of 2026-11-24 (H100) are in nbs/images/step_wait_h100.txt and the bench notebook's "The step no longer waits"."""
+import argparse, collections, statistics, time, traceback, warnings
+import torch
+from fastai.callback.core import Callback
+from fastai.data.core import DataLoaders
+
+from dali_fastai.bench import bench_images, SyntheticLoader, throughput_learner
+from dali_fastai.data import DaliDataLoaders
+
+
+class Stamps(Callback):
+    "The host clock at the start of every training batch, with its epoch and index"
+    order = 100
+    def before_fit(self): self.t = []
+    def before_batch(self):
+        if self.training: self.t.append((self.epoch, self.iter, time.perf_counter()))
+
+
+def step_gaps(stamps:list, skip:int)->tuple:
+    "Milliseconds from one training batch to the next after the first `skip` batches: (inside an epoch, into an epoch's first batch)"
+    t = stamps[skip:]
+    gaps = [(b[1], 1e3*(b[2] - a[2])) for a,b in zip(t, t[1:])]
+    return [g for i,g in gaps if i > 0],[g for i,g in gaps if i == 0]
+
+
+def step_times(dls, bs:int, epochs:int=4)->str:
+    "Median host milliseconds of a step inside an epoch and of an epoch's first step, after the first epoch"
+    learn = throughput_learner(dls, 'resnet18', c=10, cbs=[Stamps()])
+    with learn.no_bar(), learn.no_logging(): learn.fit(epochs)
+    inside,first = step_gaps(learn.stamps.t, len(dls.train))
+    return (f"step median {statistics.median(inside):.1f} ms ({bs*1e3/statistics.median(inside):,.0f} img/s), "
+            f"an epoch's first step {statistics.median(first):.0f} ms")
+
+
+def sync_sites(dls, n:int=6)->str:
+    "The Python stacks of the PyTorch operations that synchronized the device in a two-epoch fit, most frequent first"
+    sites = collections.Counter()
+    def record(message, category, filename, lineno, file=None, line=None):
+        if 'synchroniz' in str(message): sites[''.join(traceback.format_stack(limit=7)[:-2])] += 1
+    learn = throughput_learner(dls, 'resnet18', c=10)
+    shown = warnings.showwarning
+    warnings.showwarning = record
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter('always'); torch.cuda.set_sync_debug_mode('warn')
+            with learn.no_bar(), learn.no_logging(): learn.fit(2)
+    finally: torch.cuda.set_sync_debug_mode(0); warnings.showwarning = shown
+    return '\n'.join(f"--- {k} syncs at\n{s}" for s,k in sites.most_common(n))
+
+
+if __name__ == '__main__':
+    import fastai.callback.progress  # noqa: F401 (Learner.no_bar)
+    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    p.add_argument('--n-per-class', type=int, default=500, help="bench_images' images a class (default: 500)")
+    p.add_argument('--kw', nargs='*', default=[], help="name=value for DaliDataLoaders.from_folder")
+    a = p.parse_args()
+    kw = {k: (float(v) if '.' in v else int(v)) for k,v in (x.split('=') for x in a.kw)}
+    dls = DaliDataLoaders.from_folder(bench_images(n_per_class=a.n_per_class), bs=256, size=224, device='gpu', seed=0, **kw)
+    synth = SyntheticLoader(256, 224, 10, torch.device('cuda'), n=len(dls.train))
+    print(f"== {torch.cuda.get_device_name()} | resnet18, bs 256, 224 px | {len(dls.train)} training batches an epoch | {kw}", flush=True)
+    for run in range(2):
+        for name,d in [('synthetic', DataLoaders(synth, synth)), ('DaliDataLoader', dls)]:
+            print(f"  {name:<15} {step_times(d, 256)}", flush=True)
+    print("== PyTorch operations that synchronized the device, DaliDataLoader-fed fit")
+    print(sync_sites(dls))
