@@ -67,3 +67,16 @@ def test_step_times_split_steps_inside_and_into_an_epoch():
     inside,first = st.step_gaps(stamps, 0)
     assert [round(g) for g in inside] == [10, 10, 15] and [round(g) for g in first] == [190]
     assert st.step_gaps(stamps, 2) == ([pytest.approx(10), pytest.approx(15)], [])
+
+
+def test_busy_cores_runs_a_decoding_process_and_stops_it(tmp_path):
+    "`step_times --burn`'s load: another process decoding on DALI's CPU threads for as long as the block runs, then gone"
+    from PIL import Image
+    import numpy as np
+    st = load_tool('step_times')
+    for i in range(4): Image.fromarray(np.full((40, 60, 3), 60*i, dtype=np.uint8)).save(tmp_path/f'{i}.jpg')
+    with st.busy_cores(tmp_path, 1) as proc:
+        assert proc.poll() is None and proc.stdout.readline().startswith('burner: 20 batches')
+    assert proc.poll() is not None
+    with pytest.raises(RuntimeError, match='the burner process stopped'):
+        with st.busy_cores(tmp_path/'none', 1): pass

@@ -1,6 +1,6 @@
 """Where inside `Learner.fit` does a DaliDataLoader-fed ResNet-18 lose its time? On the GPU machine:
 
-    python tools/step_times.py [--n-per-class 500] [--kw num_threads=4]
+    python tools/step_times.py [--n-per-class 500] [--kw num_threads=4] [--burn 8]
 
 1. The host time between one training batch and the next, through `Learner.fit`, fed by a synthetic batch kept on the
    GPU and by `DaliDataLoaders.from_folder(bench_images(...))`, taken in turn twice: the median step inside an epoch,
@@ -8,14 +8,21 @@
 2. Which PyTorch operations synchronize the device during a DALI-fed fit (`torch.cuda.set_sync_debug_mode('warn')`),
    grouped by the Python stack that called them.
 
+`--burn N`: instead, is the host the bottleneck? The synthetic rows of 1., and a plain PyTorch loop on the synthetic
+batch (`handover_probe.plain_loop`), each with the CPU left alone and with N cores kept busy by another process
+decoding JPEGs on DALI's CPU backend (no GPU, no shared GIL): if `Learner.fit` slows under that load and the plain loop
+does not, fastai's per-batch Python is starved by the loader's CPU threads, not the GPU by its kernels.
+
 The numbers of 2026-11-24 (H100) are in nbs/images/step_wait_h100.txt and the bench notebook's "The step no longer waits"."""
-import argparse, collections, statistics, time, traceback, warnings
+import argparse, collections, contextlib, statistics, subprocess, sys, time, traceback, warnings
+from pathlib import Path
 import torch
 from fastai.callback.core import Callback
 from fastai.data.core import DataLoaders
 
 from dali_fastai.bench import bench_images, SyntheticLoader, throughput_learner
 from dali_fastai.data import DaliDataLoaders
+from dali_fastai.pipeline import valid_pipeline
 
 
 class Stamps(Callback):
@@ -58,15 +65,49 @@ def sync_sites(dls, n:int=6)->str:
     return '\n'.join(f"--- {k} syncs at\n{s}" for s,k in sites.most_common(n))
 
 
+def burn(files:list, threads:int):
+    "Decode `files` on DALI's CPU backend with `threads` threads until killed, printing a line every 10 batches"
+    pipe = valid_pipeline(files, [0]*len(files), bs=32, size=224, device_id=None, num_threads=threads)
+    pipe.build()
+    for k in range(1, sys.maxsize):
+        pipe.run()
+        if k % 10 == 0: print(f"burner: {k} batches", flush=True)
+
+
+@contextlib.contextmanager
+def busy_cores(folder, threads:int):
+    "Another process keeps `threads` cores busy decoding the JPEGs under `folder` (`burn`) while the block runs"
+    proc = subprocess.Popen([sys.executable, __file__, '--burner', str(folder), '--burn', str(threads)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        if not proc.stdout.readline().startswith('burner:'): raise RuntimeError(f"the burner process stopped: exit code {proc.wait()}")
+        yield proc
+    finally: proc.kill(); proc.wait()
+
+
 if __name__ == '__main__':
     import fastai.callback.progress  # noqa: F401 (Learner.no_bar)
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--n-per-class', type=int, default=500, help="bench_images' images a class (default: 500)")
     p.add_argument('--kw', nargs='*', default=[], help="name=value for DaliDataLoaders.from_folder")
+    p.add_argument('--burn', type=int, default=0, help="instead: synthetic training with this many cores busy decoding elsewhere, against without")
+    p.add_argument('--burner', default=None, help=argparse.SUPPRESS)  # the busy process itself: decode this folder's JPEGs
     a = p.parse_args()
+    if a.burner: burn(sorted(str(f) for f in Path(a.burner).rglob('*.jpg')), a.burn); raise SystemExit
     kw = {k: (float(v) if '.' in v else int(v)) for k,v in (x.split('=') for x in a.kw)}
     dls = DaliDataLoaders.from_folder(bench_images(n_per_class=a.n_per_class), bs=256, size=224, device='gpu', seed=0, **kw)
     synth = SyntheticLoader(256, 224, 10, torch.device('cuda'), n=len(dls.train))
+    if a.burn:
+        sys.path.insert(0, str(Path(__file__).parent)); from handover_probe import plain_loop
+        from dali_fastai.bench import _endless
+        sdls = DataLoaders(synth, synth)
+        print(f"== {torch.cuda.get_device_name()} | resnet18, bs 256, 224 px | synthetic batch, {a.burn} cores busy or not", flush=True)
+        for run in range(2):
+            for busy in (0, a.burn):
+                with (busy_cores(dls.path, busy) if busy else contextlib.nullcontext()):
+                    print(f"  {busy:>2} busy | Learner.fit {step_times(sdls, 256)} | plain loop "
+                          f"{plain_loop(_endless(synth), 'resnet18'):,.0f} img/s", flush=True)
+        raise SystemExit
     print(f"== {torch.cuda.get_device_name()} | resnet18, bs 256, 224 px | {len(dls.train)} training batches an epoch | {kw}", flush=True)
     for run in range(2):
         for name,d in [('synthetic', DataLoaders(synth, synth)), ('DaliDataLoader', dls)]:
