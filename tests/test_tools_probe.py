@@ -1,6 +1,7 @@
 """The GPU diagnostics of `tools/` (`training_wait.py`, `handover_probe.py`, `step_times.py`) run on the GPU machine only; their parts that
 decide what is measured are checked here, on the CPU: a wrong lever parser or a batch-dropping thread would report
 numbers for something else."""
+import time
 import pytest, torch
 
 from helpers import load_tool
@@ -76,7 +77,10 @@ def test_busy_cores_runs_a_decoding_process_and_stops_it(tmp_path):
     st = load_tool('step_times')
     for i in range(4): Image.fromarray(np.full((40, 60, 3), 60*i, dtype=np.uint8)).save(tmp_path/f'{i}.jpg')
     with st.busy_cores(tmp_path, 1) as proc:
-        assert proc.poll() is None and proc.stdout.readline().startswith('burner: 20 batches')
+        for _ in range(600):  # its progress lines keep coming (read by a thread, or a full pipe would stop it)
+            if 'burner: 30 batches\n' in proc.lines: break
+            time.sleep(0.1)
+        assert proc.poll() is None and 'burner: 30 batches\n' in proc.lines
     assert proc.poll() is not None
     with pytest.raises(RuntimeError, match='the burner process stopped'):
         with st.busy_cores(tmp_path/'none', 1): pass

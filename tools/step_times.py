@@ -14,7 +14,7 @@ decoding JPEGs on DALI's CPU backend (no GPU, no shared GIL): if `Learner.fit` s
 does not, fastai's per-batch Python is starved by the loader's CPU threads, not the GPU by its kernels.
 
 The numbers of 2026-11-24 (H100) are in nbs/images/step_wait_h100.txt and the bench notebook's "The step no longer waits"."""
-import argparse, collections, contextlib, statistics, subprocess, sys, time, traceback, warnings
+import argparse, collections, contextlib, statistics, subprocess, sys, threading, time, traceback, warnings
 from pathlib import Path
 import torch
 from fastai.callback.core import Callback
@@ -81,6 +81,8 @@ def busy_cores(folder, threads:int):
                             stdout=subprocess.PIPE, text=True)
     try:
         if not proc.stdout.readline().startswith('burner:'): raise RuntimeError(f"the burner process stopped: exit code {proc.wait()}")
+        proc.lines = []  # read on: a full pipe would stop the burner
+        threading.Thread(target=lambda: proc.lines.extend(proc.stdout), daemon=True).start()
         yield proc
     finally: proc.kill(); proc.wait()
 
