@@ -15,7 +15,7 @@ import numpy as np
 from nvidia.dali import fn, types
 from nvidia.dali.pipeline import Pipeline
 from nvidia.dali.data_node import DataNode
-from .augment import affine_steps, combine_steps, warp, lighting, synthetic_warps
+from .augment import hw, affine_steps, combine_steps, warp, lighting, synthetic_warps
 
 # %% ../nbs/02_pipeline.ipynb #6f0f913c
 def read_files(files:list, # image paths
@@ -44,7 +44,7 @@ def shuffled(files:list, # image paths
 
 # %% ../nbs/02_pipeline.ipynb #6c526268
 # DALI's own default: the share of a batch's JPEGs its hardware decoder takes (A100, H100, H200); the rest go to the CUDA
-# decoder, on the SMs. Measured in the bench notebook ("What each choice is worth").
+# decoder, on the SMs. Measured in the bench notebook ("What the levers are worth").
 HW_DECODER_LOAD = 0.65
 
 # Pixels a side the hardware decoder preallocates for. Without a hint DALI asks nvJPEG for 1×1, and nvJPEG then resizes
@@ -63,17 +63,18 @@ def decoder_args(device_id:int|None, # GPU id, or None for the CPU backend
                 preallocate_width_hint=HW_DECODER_HINT, preallocate_height_hint=HW_DECODER_HINT)
 
 def decode_random_crop(encoded:DataNode, # encoded images
-                       size:int, # output side, in pixels
+                       size:int|tuple, # output side, or `(h, w)`, in pixels
                        device_id:int|None=None, # GPU id, or None for the CPU backend
                        area:tuple=(0.08, 1.), # range of the crop's area, as a fraction of the image
                        ratio:tuple=(3/4, 4/3), # range of the crop's aspect ratio
                        hw_decoder_load:float=HW_DECODER_LOAD, # GPU only: share of JPEGs given to the hardware JPEG decoder
                        **decoder, # more of `fn.decoders.image_random_crop`'s arguments, or others for those of `decoder_args`
-                      )->DataNode: # `size`×`size` RGB images, HWC uint8
+                      )->DataNode: # RGB images of `size`, HWC uint8
     "fastai's `RandomResizedCrop`, decoding only the crop window"
     images = fn.decoders.image_random_crop(encoded, random_area=list(area), random_aspect_ratio=list(ratio), num_attempts=10,
                                            **{**decoder_args(device_id, hw_decoder_load), **decoder})
-    return fn.resize(images, resize_x=size, resize_y=size)
+    h,w = hw(size)
+    return fn.resize(images, resize_x=w, resize_y=h)
 
 def decode_center_crop(encoded:DataNode, # encoded images
                        size:int, # output side, in pixels

@@ -646,14 +646,11 @@ class KeywordRecipe(ImageRecipe):
         self.rows.append(('mean, std', 'fn.crop_mirror_normalize' + (' (mean/std)' if mean is not None else ' (scale to 0..1)')))
 
     def _decode(self, encoded, device_id, hw_decoder_load):
-        (h,w),kw = self.size,decoder_args(device_id, hw_decoder_load)
-        if self.train:
-            if h == w: return decode_random_crop(encoded, h, device_id, area=self.area, ratio=self.ratio, hw_decoder_load=hw_decoder_load)
-            return _resize(fn.decoders.image_random_crop(encoded, random_area=list(self.area), num_attempts=10,
-                                                         random_aspect_ratio=list(self.ratio), **kw), self.size)
+        h,w = self.size
+        if self.train: return decode_random_crop(encoded, self.size, device_id, self.area, self.ratio, hw_decoder_load)
         if h == w: return decode_center_crop(encoded, h, device_id, self.crop_pct, hw_decoder_load)
-        images = fn.resize(fn.decoders.image(encoded, **kw), resize_x=round(w/self.crop_pct), resize_y=round(h/self.crop_pct),
-                           mode='not_smaller')
+        images = fn.resize(fn.decoders.image(encoded, **decoder_args(device_id, hw_decoder_load)), resize_x=round(w/self.crop_pct),
+                           resize_y=round(h/self.crop_pct), mode='not_smaller')
         return fn.crop(images, crop=(h, w), crop_pos_x=0.5, crop_pos_y=0.5)
 
     def graph(self, encoded, device_id=None, hw_decoder_load=HW_DECODER_LOAD, dtype='float32', boxes=None)->dict:

@@ -84,3 +84,20 @@ def test_busy_cores_runs_a_decoding_process_and_stops_it(tmp_path):
     assert proc.poll() is not None
     with pytest.raises(RuntimeError, match='the burner process stopped'):
         with st.busy_cores(tmp_path/'none', 1): pass
+
+
+def test_parts_times_each_step_of_next_in_the_iterators_scope(probe, monkeypatch):
+    "`handover_probe --parts`: the steps DALI's iterator takes, in its order and API scope, each timed"
+    import contextlib
+    calls = []
+    class Pipe:
+        @contextlib.contextmanager
+        def _check_api_type_scope(self, kind): calls.append(('scope', kind.name)); yield
+        def share_outputs(self): calls.append('share'); return [type('Out', (), {'as_tensor': lambda s: torch.zeros(2)})()]
+        def release_outputs(self): calls.append('release')
+        def schedule_run(self): calls.append('schedule')
+    it = type('It', (), {'_pipes': [Pipe()], '__next__': lambda s: None})()
+    monkeypatch.setattr(probe, 'queue_work', lambda *a, **k: calls.append('queue'))
+    res = probe.parts(it, cpm=1., n=2)
+    assert calls == 2*['queue', ('scope', 'ITERATOR'), 'share', 'release', 'schedule']
+    assert [w.split()[0] for w in res.split(', ')] == ['share_outputs', 'from_dlpack', 'release_outputs', 'schedule_run', 'drop']

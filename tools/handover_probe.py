@@ -23,6 +23,7 @@ takes. The numbers of 2026-11-24 (H100) are in nbs/images/step_wait_h100.txt and
 and "The step no longer waits"."""
 import argparse, queue, statistics, threading, time
 import torch, torch.nn.functional as F, torchvision
+from nvidia.dali import types
 from fastai.callback.core import Callback
 from fastai.data.core import DataLoaders
 
@@ -36,13 +37,18 @@ def cycles_per_ms()->float:
     return 1e8 / (1e3*(time.perf_counter() - t))
 
 
+def queue_work(cpm:float, ms:float, stream=None):
+    "Wait for the GPU to be idle, then queue `ms` milliseconds of work on `stream` (None: the current one)"
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stream or torch.cuda.current_stream()): torch.cuda._sleep(int(ms*cpm))
+
+
 def blocking(it, cpm:float, queued_ms:float=50, n:int=7, work=None, take_on=None)->str:
     "Host milliseconds of `next(it)` and of dropping the batch, with `queued_ms` of GPU work queued before on stream `work` (None: the current one); `next` called with `take_on` current"
     for _ in range(3): next(it)
     take,drop = [],[]
     for _ in range(n):
-        torch.cuda.synchronize()
-        with torch.cuda.stream(work or torch.cuda.current_stream()): torch.cuda._sleep(int(queued_ms*cpm))
+        queue_work(cpm, queued_ms, work)
         t0 = time.perf_counter()
         with torch.cuda.stream(take_on or torch.cuda.current_stream()): b = next(it)
         t1 = time.perf_counter(); del b; t2 = time.perf_counter()
@@ -53,18 +59,16 @@ def blocking(it, cpm:float, queued_ms:float=50, n:int=7, work=None, take_on=None
 def parts(it, cpm:float, queued_ms:float=50, n:int=7)->str:
     "Host milliseconds of each step of the bare DALI iterator's `next()`, with `queued_ms` of GPU work queued on PyTorch's stream: which one waits"
     for _ in range(3): next(it)
-    from nvidia.dali import types
-    p,steps = it._pipes[0],{'share_outputs': [], 'from_dlpack': [], 'release_outputs': [], 'schedule_run': [], 'drop': []}
+    p,steps = it._pipes[0],{k: [] for k in ('share_outputs', 'from_dlpack', 'release_outputs', 'schedule_run', 'drop')}
     for _ in range(n):
-        torch.cuda.synchronize(); torch.cuda._sleep(int(queued_ms*cpm))
-        t = [time.perf_counter()]
-        with p._check_api_type_scope(types.PipelineAPIType.ITERATOR): outs = p.share_outputs(); t.append(time.perf_counter())
-        ts = [torch.from_dlpack(o.as_tensor()) for o in outs]; t.append(time.perf_counter())
-        with p._check_api_type_scope(types.PipelineAPIType.ITERATOR): p.release_outputs()
-        t.append(time.perf_counter())
-        with p._check_api_type_scope(types.PipelineAPIType.ITERATOR): p.schedule_run()
-        t.append(time.perf_counter())
-        del ts, outs; t.append(time.perf_counter())
+        queue_work(cpm, queued_ms)
+        with p._check_api_type_scope(types.PipelineAPIType.ITERATOR):  # the scope DALI's iterator calls these in
+            t = [time.perf_counter()]
+            outs = p.share_outputs(); t.append(time.perf_counter())
+            ts = [torch.from_dlpack(o.as_tensor()) for o in outs]; t.append(time.perf_counter())
+            p.release_outputs(); t.append(time.perf_counter())
+            p.schedule_run(); t.append(time.perf_counter())
+            del ts, outs; t.append(time.perf_counter())
         for k,a,b in zip(steps, t, t[1:]): steps[k].append(b - a)
     return ', '.join(f"{k} {1e3*statistics.median(v):.2f}" for k,v in steps.items()) + f" ms (of {queued_ms:.0f} ms queued)"
 
