@@ -68,6 +68,8 @@ def test_step_times_split_steps_inside_and_into_an_epoch():
     inside,first = st.step_gaps(stamps, 0)
     assert [round(g) for g in inside] == [10, 10, 15] and [round(g) for g in first] == [190]
     assert st.step_gaps(stamps, 2) == ([pytest.approx(10), pytest.approx(15)], [])
+    ends = [(0, 0, 0.008), (0, 1, 0.019), (1, 0, 0.203), (1, 1, 0.214), (1, 2, 0.230)]
+    assert [round(g) for g in st.fetch_gaps(stamps, ends, 0)] == [2, 7, 11]  # inside an epoch only: not 0.019 → 0.200
 
 
 def test_busy_cores_runs_a_decoding_process_and_stops_it(tmp_path):

@@ -10,8 +10,12 @@ compute-bound one; `--synthetic` times the same training step in a plain PyTorch
 the GPU (no loader, no fastai): the scaling this host allows. Two more cases separate the loader from the model and
 from fastai's loop: `--plain-dali` runs that plain loop on this rank's shard of `DaliDataLoaders` (the loader's cost
 to training, without fastai), and `--fastai-model` gives either plain loop the model `vision_learner` trains (the
-resnet50 body with fastai's head) instead of torchvision's resnet50 (the model's cost)."""
+resnet50 body with fastai's head) instead of torchvision's resnet50 (the model's cost). For the fastai cases,
+`--no-bar` fits without fastai's progress bar (which reads the loss with `.item()` every batch) and `--fused-adamw`
+with PyTorch's fused AdamW instead of fastai's Adam. The numbers of 2026-11-24 are in nbs/images/ddp_h200x2.txt and
+the distributed notebook's "Throughput"."""
 import argparse, contextlib, json, os, subprocess, sys, tempfile, time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -20,8 +24,10 @@ from torch.nn.parallel import DistributedDataParallel
 from fastai.callback.core import Callback
 from fastai.callback.fp16 import MixedPrecision  # noqa: F401 (adds Learner.to_bf16)
 from fastai.callback.schedule import fit_one_cycle  # noqa: F401 (adds Learner.fit_one_cycle)
+from fastai.callback.progress import ProgressCallback  # noqa: F401 (adds Learner.no_bar)
 from fastai.distributed import *  # noqa: F401,F403 (adds Learner.distrib_ctx)
 from fastai.metrics import accuracy
+from fastai.optimizer import OptimWrapper
 from fastai.vision.learner import vision_learner, create_vision_model
 from torchvision.models import resnet50
 
@@ -47,13 +53,15 @@ def loader_epochs(dl, epochs:int)->list:
     return times
 
 
-def fit_epochs(dls, epochs:int, world:int, sync_bn:bool)->list:
+def fit_epochs(dls, epochs:int, world:int, sync_bn:bool, bar:bool=True, fused:bool=False)->list:
     "Wall time of the training phase of each of `epochs` epochs of a resnet50 (bf16, channels_last) fit"
     timer = EpochTimer()
-    learn = vision_learner(dls, resnet50, metrics=accuracy, pretrained=False, cbs=[DaliDistributed(), timer]).to_bf16()
+    kw = dict(opt_func=partial(OptimWrapper, opt=torch.optim.AdamW, fused=True)) if fused else {}
+    learn = vision_learner(dls, resnet50, metrics=accuracy, pretrained=False, cbs=[DaliDistributed(), timer], **kw).to_bf16()
     learn.model = learn.model.to(memory_format=torch.channels_last)
     # one GPU: a plain fit (fastai's DistributedTrainer assumes a DDP-wrapped model, which one process does not get)
-    with learn.distrib_ctx(sync_bn=sync_bn) if world > 1 else contextlib.nullcontext():
+    with learn.distrib_ctx(sync_bn=sync_bn) if world > 1 else contextlib.nullcontext(), \
+         contextlib.nullcontext() if bar else learn.no_bar():
         learn.fit_one_cycle(epochs, 1e-3)
     return timer.times
 
@@ -114,6 +122,7 @@ def compare(n_gpus:int, args:list, bs:int):
     for name,extra in CASES:
         one = rows[-1][1] if extra == ['--sync-bn'] else run_case(1, args + extra)
         rows.append((name, one, run_case(n_gpus, args + extra)))
+        print(f"ddp_bench: {len(rows)} of {len(CASES)} cases done", flush=True)  # the table so far is in the lines above
     print(f"\n| img/s, resnet50 bf16, bs {bs}/GPU | 1 GPU | {n_gpus} GPUs | {n_gpus} vs 1 |\n|---|---|---|---|")
     for name,one,many in rows: print(f"| {name} | {one:,.0f} | {many:,.0f} | {many/one:.2f}x |")
 
@@ -126,6 +135,8 @@ def main():
     p.add_argument('--plain-dali', action='store_true', help="the plain DDP loop fed by this rank's shard of the loader")
     p.add_argument('--fastai-model', action='store_true', help="plain loops: vision_learner's resnet50 (fastai's head)")
     p.add_argument('--sync-bn', action='store_true', help="fastai's distrib_ctx default: BatchNorm synchronised across ranks")
+    p.add_argument('--no-bar', action='store_true', help="fastai cases: fit without the progress bar (it reads the loss every batch)")
+    p.add_argument('--fused-adamw', action='store_true', help="fastai cases: PyTorch's fused AdamW (OptimWrapper) instead of fastai's Adam")
     p.add_argument('--compare', type=int, default=0, help='run every case on 1 GPU and on this many, print a table')
     p.add_argument('--result', default=None, help='rank 0 writes {"img_s": ...} here')
     a = p.parse_args()
@@ -146,7 +157,9 @@ def main():
         dl = dls.train.shard(rank, world, seed=0).to(torch.device('cuda', torch.cuda.current_device()))
         times,what = plain_epochs(a.epochs, lambda: dl, world, a.fastai_model),f'{model} bf16, dali_fastai shard, plain DDP'
     elif a.loader_only: times,what = loader_epochs(dls.train, a.epochs),'loader only'
-    else: times,what = fit_epochs(dls, a.epochs, world, a.sync_bn),f"resnet50 bf16, fastai + dali_fastai, sync_bn={a.sync_bn}"
+    else: times,what = (fit_epochs(dls, a.epochs, world, a.sync_bn, bar=not a.no_bar, fused=a.fused_adamw),
+                        f"resnet50 bf16, fastai + dali_fastai, sync_bn={a.sync_bn}{', no progress bar' if a.no_bar else ''}"
+                        f"{', fused AdamW' if a.fused_adamw else ''}")
     timed = sum(times[1:])
     img_s = n_imgs*world*(len(times)-1)/timed
     if a.result and rank == 0: Path(a.result).write_text(json.dumps({'img_s': img_s}))

@@ -1,24 +1,35 @@
 """Where inside `Learner.fit` does a DaliDataLoader-fed ResNet-18 lose its time? On the GPU machine:
 
-    python tools/step_times.py [--n-per-class 500] [--kw num_threads=4] [--burn 8]
+    python tools/step_times.py [--n-per-class 500] [--kw num_threads=4] [--bar] [--opt torch] [--burn 8]
 
 1. The host time between one training batch and the next, through `Learner.fit`, fed by a synthetic batch kept on the
    GPU and by `DaliDataLoaders.from_folder(bench_images(...))`, taken in turn twice: the median step inside an epoch,
-   and the step that starts an epoch (which includes the validation pass before it). Epochs 2-4 of 4.
+   and the step that starts an epoch (which includes the validation pass before it), and the median and longest time
+   from one training batch's end to the next one's start inside an epoch (the loader's `next()` and fastai's
+   bookkeeping: long when the host waits for the loader). Epochs 2-4 of 4.
 2. Which PyTorch operations synchronize the device during a DALI-fed fit (`torch.cuda.set_sync_debug_mode('warn')`),
    grouped by the Python stack that called them.
 
-`--burn N`: instead, is the host the bottleneck? The synthetic rows of 1., and a plain PyTorch loop on the synthetic
-batch (`handover_probe.plain_loop`), each with the CPU left alone and with N cores kept busy by another process
-decoding JPEGs on DALI's CPU backend (no GPU, no shared GIL): if `Learner.fit` slows under that load and the plain loop
-does not, fastai's per-batch Python is starved by the loader's CPU threads, not the GPU by its kernels.
+`--burn N`: instead, is the host the bottleneck? The synthetic rows of 1., the same at bs 32 (a step the host, not the
+GPU, bounds: fastai's Python a batch), and a plain PyTorch loop on the synthetic batch (`handover_probe.plain_loop`),
+each with the CPU left alone and with N cores kept busy by another process decoding JPEGs on DALI's CPU backend (no
+GPU, no shared GIL): if `Learner.fit` slows under that load and the plain loop does not, fastai's per-batch Python is
+starved by the loader's CPU threads, not the GPU by its kernels.
 
-The numbers of 2026-11-24 (H100) are in nbs/images/step_wait_h100.txt and the bench notebook's "The step no longer waits"."""
-import argparse, collections, contextlib, statistics, subprocess, sys, threading, time, traceback, warnings
+`--bar`: 1. with fastai's progress bar, as users train (`ProgressCallback` reads the smoothed loss with `.item()` every
+batch: the host waits for the GPU, then fetches the next batch while the GPU idles).
+
+`--opt torch`: every `Learner` trains with PyTorch's fused AdamW (`OptimWrapper`) instead of fastai's `Adam`, which
+runs a few PyTorch operations a parameter in Python: the host's share of a step, as a user can change it.
+
+The numbers of 2026-11-24 are in nbs/images/step_wait_h100.txt and nbs/images/step_times_h200.txt, and the bench
+notebook's "The step no longer waits" and "Where the rest goes"."""
+import argparse, collections, contextlib, functools, statistics, subprocess, sys, threading, time, traceback, warnings
 from pathlib import Path
 import torch
 from fastai.callback.core import Callback
 from fastai.data.core import DataLoaders
+from fastai.optimizer import OptimWrapper
 
 from dali_fastai.bench import bench_images, SyntheticLoader, throughput_learner
 from dali_fastai.data import DaliDataLoaders
@@ -26,11 +37,19 @@ from dali_fastai.pipeline import valid_pipeline
 
 
 class Stamps(Callback):
-    "The host clock at the start of every training batch, with its epoch and index"
+    "The host clock at the start and at the end of every training batch, with its epoch and index"
     order = 100
-    def before_fit(self): self.t = []
+    def before_fit(self): self.t,self.ends = [],[]
     def before_batch(self):
         if self.training: self.t.append((self.epoch, self.iter, time.perf_counter()))
+    def after_batch(self):
+        if self.training: self.ends.append((self.epoch, self.iter, time.perf_counter()))
+
+
+def fetch_gaps(stamps:list, ends:list, skip:int)->list:
+    "Milliseconds from the end of one training batch to the start of the next inside an epoch (the loader's `next()`), after `skip`"
+    starts = {(e, i): t for e,i,t in stamps[skip:]}
+    return [1e3*(starts[(e, i+1)] - t) for e,i,t in ends[skip:] if (e, i+1) in starts]
 
 
 def step_gaps(stamps:list, skip:int)->tuple:
@@ -40,13 +59,19 @@ def step_gaps(stamps:list, skip:int)->tuple:
     return [g for i,g in gaps if i > 0],[g for i,g in gaps if i == 0]
 
 
-def step_times(dls, bs:int, epochs:int=4)->str:
+OPTS = {'fastai': None,  # the Learner's default, fastai's Adam
+        'torch': functools.partial(OptimWrapper, opt=torch.optim.AdamW, fused=True)}
+
+def step_times(dls, bs:int, epochs:int=4, opt:str='fastai', bar:bool=False)->str:
     "Median host milliseconds of a step inside an epoch and of an epoch's first step, after the first epoch"
     learn = throughput_learner(dls, 'resnet18', c=10, cbs=[Stamps()])
-    with learn.no_bar(), learn.no_logging(): learn.fit(epochs)
+    if OPTS[opt]: learn.opt_func = OPTS[opt]
+    with contextlib.nullcontext() if bar else learn.no_bar(), learn.no_logging(): learn.fit(epochs)
     inside,first = step_gaps(learn.stamps.t, len(dls.train))
+    fetch = fetch_gaps(learn.stamps.t, learn.stamps.ends, len(dls.train))
     return (f"step median {statistics.median(inside):.1f} ms ({bs*1e3/statistics.median(inside):,.0f} img/s), "
-            f"an epoch's first step {statistics.median(first):.0f} ms")
+            f"an epoch's first step {statistics.median(first):.0f} ms, between batches (next()) median "
+            f"{statistics.median(fetch):.2f} ms, max {max(fetch):.2f} ms")
 
 
 def sync_sites(dls, n:int=6)->str:
@@ -93,6 +118,8 @@ if __name__ == '__main__':
     p.add_argument('--n-per-class', type=int, default=500, help="bench_images' images a class (default: 500)")
     p.add_argument('--kw', nargs='*', default=[], help="name=value for DaliDataLoaders.from_folder")
     p.add_argument('--burn', type=int, default=0, help="instead: synthetic training with this many cores busy decoding elsewhere, against without")
+    p.add_argument('--opt', choices=list(OPTS), default='fastai', help="the Learners' optimizer: fastai's Adam, or PyTorch's fused AdamW")
+    p.add_argument('--bar', action='store_true', help="fit with fastai's progress bar, as users do (its loss comment reads the loss every batch)")
     p.add_argument('--burner', default=None, help=argparse.SUPPRESS)  # the busy process itself: decode this folder's JPEGs
     a = p.parse_args()
     if a.burner: burn(sorted(str(f) for f in Path(a.burner).rglob('*.jpg')), a.burn); raise SystemExit
@@ -102,17 +129,20 @@ if __name__ == '__main__':
     if a.burn:
         sys.path.insert(0, str(Path(__file__).parent)); from handover_probe import plain_loop
         from dali_fastai.bench import _endless
-        sdls = DataLoaders(synth, synth)
-        print(f"== {torch.cuda.get_device_name()} | resnet18, bs 256, 224 px | synthetic batch, {a.burn} cores busy or not", flush=True)
+        small = SyntheticLoader(32, 224, 10, torch.device('cuda'), n=len(dls.train))
+        print(f"== {torch.cuda.get_device_name()} | resnet18, 224 px | synthetic batch, {a.burn} cores busy or not | {a.opt} optimizer", flush=True)
         for run in range(2):
             for busy in (0, a.burn):
                 with (busy_cores(dls.path, busy) if busy else contextlib.nullcontext()):
-                    print(f"  {busy:>2} busy | Learner.fit {step_times(sdls, 256)} | plain loop "
-                          f"{plain_loop(_endless(synth), 'resnet18'):,.0f} img/s", flush=True)
+                    print(f"  {busy:>2} busy | Learner.fit bs 256: {step_times(DataLoaders(synth, synth), 256, opt=a.opt)}\n"
+                          f"           Learner.fit bs 32: {step_times(DataLoaders(small, small), 32, opt=a.opt)}\n"
+                          f"           plain loop bs 256: {plain_loop(_endless(synth), 'resnet18'):,.0f} img/s", flush=True)
         raise SystemExit
-    print(f"== {torch.cuda.get_device_name()} | resnet18, bs 256, 224 px | {len(dls.train)} training batches an epoch | {kw}", flush=True)
+    print(f"== {torch.cuda.get_device_name()} | resnet18, bs 256, 224 px | {len(dls.train)} training batches an epoch | {kw} | {a.opt} optimizer"
+          f"{' | progress bar' if a.bar else ''}", flush=True)
     for run in range(2):
         for name,d in [('synthetic', DataLoaders(synth, synth)), ('DaliDataLoader', dls)]:
-            print(f"  {name:<15} {step_times(d, 256)}", flush=True)
+            print(f"  {name:<15} {step_times(d, 256, opt=a.opt, bar=a.bar)}", flush=True)
+    if a.bar: raise SystemExit
     print("== PyTorch operations that synchronized the device, DaliDataLoader-fed fit")
     print(sync_sites(dls))
