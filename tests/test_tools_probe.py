@@ -54,6 +54,8 @@ def test_ddp_bench_separates_the_loader_the_model_and_fastai():
     x = torch.zeros(2, 3, 64, 64)
     assert theirs.eval()(x).shape == plain.eval()(x).shape == (2, 10)
     assert type(theirs).__name__ == 'Sequential' and type(plain).__name__ == 'ResNet'  # fastai's body + head
+    # trained as `Learner.fit` trains: every layer in training mode (create_vision_model leaves its body in eval mode)
+    assert all(m.training for m in ddp.plain_model(True).modules()) and all(m.training for m in ddp.plain_model(False).modules())
 
 
 def test_step_times_split_steps_inside_and_into_an_epoch():

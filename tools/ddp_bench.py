@@ -67,8 +67,10 @@ def fit_epochs(dls, epochs:int, world:int, sync_bn:bool, bar:bool=True, fused:bo
 
 
 def plain_model(fastai_model:bool, c:int=10):
-    "torchvision's resnet50, or the resnet50 `vision_learner` builds (fastai's head), untrained"
-    return create_vision_model(resnet50, c, pretrained=False) if fastai_model else resnet50(num_classes=c)
+    "torchvision's resnet50, or the resnet50 `vision_learner` builds (fastai's head), untrained, in training mode"
+    # `.train()`: `create_vision_model` leaves its body in eval mode (the dummy pass that counts its features), and
+    # `Learner.fit` sets training mode but a plain loop must; BatchNorm in eval mode made a step 36% longer (H100)
+    return (create_vision_model(resnet50, c, pretrained=False) if fastai_model else resnet50(num_classes=c)).train()
 
 
 def plain_epochs(epochs:int, batches, # `batches()`: one epoch's (x, y) batches, on this rank's GPU

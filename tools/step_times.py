@@ -19,6 +19,9 @@ starved by the loader's CPU threads, not the GPU by its kernels.
 `--bar`: 1. with fastai's progress bar, as users train (`ProgressCallback` reads the smoothed loss with `.item()` every
 batch: the host waits for the GPU, then fetches the next batch while the GPU idles).
 
+`--no-valid`: 1. with every validation pass skipped (as `dali-fastai bench` times training): an epoch's first step is
+then the epoch boundary alone.
+
 `--opt torch`: every `Learner` trains with PyTorch's fused AdamW (`OptimWrapper`) instead of fastai's `Adam`, which
 runs a few PyTorch operations a parameter in Python: the host's share of a step, as a user can change it.
 
@@ -27,7 +30,7 @@ notebook's "The step no longer waits" and "Where the rest goes"."""
 import argparse, collections, contextlib, functools, statistics, subprocess, sys, threading, time, traceback, warnings
 from pathlib import Path
 import torch
-from fastai.callback.core import Callback
+from fastai.callback.core import Callback, CancelValidException
 from fastai.data.core import DataLoaders
 from fastai.optimizer import OptimWrapper
 
@@ -62,9 +65,14 @@ def step_gaps(stamps:list, skip:int)->tuple:
 OPTS = {'fastai': None,  # the Learner's default, fastai's Adam
         'torch': functools.partial(OptimWrapper, opt=torch.optim.AdamW, fused=True)}
 
-def step_times(dls, bs:int, epochs:int=4, opt:str='fastai', bar:bool=False)->str:
+class NoValidation(Callback):
+    "Skip every validation pass, as the bench's `Throughput` does: an epoch's first step is then the epoch boundary alone"
+    def before_validate(self): raise CancelValidException()
+
+
+def step_times(dls, bs:int, epochs:int=4, opt:str='fastai', bar:bool=False, valid:bool=True)->str:
     "Median host milliseconds of a step inside an epoch and of an epoch's first step, after the first epoch"
-    learn = throughput_learner(dls, 'resnet18', c=10, cbs=[Stamps()])
+    learn = throughput_learner(dls, 'resnet18', c=10, cbs=[Stamps()] + ([] if valid else [NoValidation()]))
     if OPTS[opt]: learn.opt_func = OPTS[opt]
     with contextlib.nullcontext() if bar else learn.no_bar(), learn.no_logging(): learn.fit(epochs)
     inside,first = step_gaps(learn.stamps.t, len(dls.train))
@@ -120,6 +128,7 @@ if __name__ == '__main__':
     p.add_argument('--burn', type=int, default=0, help="instead: synthetic training with this many cores busy decoding elsewhere, against without")
     p.add_argument('--opt', choices=list(OPTS), default='fastai', help="the Learners' optimizer: fastai's Adam, or PyTorch's fused AdamW")
     p.add_argument('--bar', action='store_true', help="fit with fastai's progress bar, as users do (its loss comment reads the loss every batch)")
+    p.add_argument('--no-valid', action='store_true', help="1. without validation passes: an epoch's first step is the epoch boundary alone")
     p.add_argument('--burner', default=None, help=argparse.SUPPRESS)  # the busy process itself: decode this folder's JPEGs
     a = p.parse_args()
     if a.burner: burn(sorted(str(f) for f in Path(a.burner).rglob('*.jpg')), a.burn); raise SystemExit
@@ -139,10 +148,10 @@ if __name__ == '__main__':
                           f"           plain loop bs 256: {plain_loop(_endless(synth), 'resnet18'):,.0f} img/s", flush=True)
         raise SystemExit
     print(f"== {torch.cuda.get_device_name()} | resnet18, bs 256, 224 px | {len(dls.train)} training batches an epoch | {kw} | {a.opt} optimizer"
-          f"{' | progress bar' if a.bar else ''}", flush=True)
+          f"{' | progress bar' if a.bar else ''}{' | no validation' if a.no_valid else ''}", flush=True)
     for run in range(2):
         for name,d in [('synthetic', DataLoaders(synth, synth)), ('DaliDataLoader', dls)]:
-            print(f"  {name:<15} {step_times(d, 256, opt=a.opt, bar=a.bar)}", flush=True)
-    if a.bar: raise SystemExit
+            print(f"  {name:<15} {step_times(d, 256, opt=a.opt, bar=a.bar, valid=not a.no_valid)}", flush=True)
+    if a.bar or a.no_valid: raise SystemExit
     print("== PyTorch operations that synchronized the device, DaliDataLoader-fed fit")
     print(sync_sites(dls))
