@@ -77,20 +77,22 @@ def decode_random_crop(encoded:DataNode, # encoded images
     return fn.resize(images, resize_x=w, resize_y=h)
 
 def decode_center_crop(encoded:DataNode, # encoded images
-                       size:int, # output side, in pixels
+                       size:int|tuple, # output side, or `(h, w)`, in pixels
                        device_id:int|None=None, # GPU id, or None for the CPU backend
-                       crop_pct:float=0.875, # the crop's share of the resized shorter side
+                       crop_pct:float=0.875, # the crop's share of the resized image (of its shorter side for a square)
                        hw_decoder_load:float=HW_DECODER_LOAD, # GPU only: share of JPEGs given to the hardware JPEG decoder
-                      )->DataNode: # `size`×`size` RGB images, HWC uint8
-    "Resize the shorter side to `size/crop_pct` and keep the centre `size`×`size`"
+                      )->DataNode: # RGB images of `size`, HWC uint8
+    "Resize to cover `size/crop_pct` (a square: the shorter side to it) and keep the centre `size`"
     if not 0 < crop_pct <= 1: raise ValueError(f"crop_pct must be in (0, 1], got {crop_pct}")
+    h,w = hw(size)
     images = fn.decoders.image(encoded, **decoder_args(device_id, hw_decoder_load))
-    images = fn.resize(images, resize_shorter=round(size/crop_pct))
-    return fn.crop(images, crop=(size, size), crop_pos_x=0.5, crop_pos_y=0.5)
+    images = (fn.resize(images, resize_shorter=round(h/crop_pct)) if h == w else
+              fn.resize(images, resize_x=round(w/crop_pct), resize_y=round(h/crop_pct), mode='not_smaller'))
+    return fn.crop(images, crop=(h, w), crop_pos_x=0.5, crop_pos_y=0.5)
 
 # %% ../nbs/02_pipeline.ipynb #d255da50
-def augment(images:DataNode, # `size`×`size` images, HWC uint8
-            size:int, # their side, in pixels
+def augment(images:DataNode, # images of `size`, HWC uint8
+            size:int|tuple, # their side, or `(h, w)`, in pixels
             p_hflip:float=0.5, # probability of a horizontal flip
             p_vflip:float=0.1, # probability of a vertical flip
             rotate_range:tuple=(-7., 7.), # rotation angle range, degrees

@@ -646,17 +646,13 @@ class KeywordRecipe(ImageRecipe):
         self.rows.append(('mean, std', 'fn.crop_mirror_normalize' + (' (mean/std)' if mean is not None else ' (scale to 0..1)')))
 
     def _decode(self, encoded, device_id, hw_decoder_load):
-        h,w = self.size
         if self.train: return decode_random_crop(encoded, self.size, device_id, self.area, self.ratio, hw_decoder_load)
-        if h == w: return decode_center_crop(encoded, h, device_id, self.crop_pct, hw_decoder_load)
-        images = fn.resize(fn.decoders.image(encoded, **decoder_args(device_id, hw_decoder_load)), resize_x=round(w/self.crop_pct),
-                           resize_y=round(h/self.crop_pct), mode='not_smaller')
-        return fn.crop(images, crop=(h, w), crop_pos_x=0.5, crop_pos_y=0.5)
+        return decode_center_crop(encoded, self.size, device_id, self.crop_pct, hw_decoder_load)
 
     def graph(self, encoded, device_id=None, hw_decoder_load=HW_DECODER_LOAD, dtype='float32', boxes=None)->dict:
         "`images`; `augment` composes its matrices inside, so `window` and `matrix` are None"
-        (h,w),images = self.size,self._decode(encoded, device_id, hw_decoder_load)
-        if self.train: images = augment(images, h if h == w else self.size, **self.aug)
+        images = self._decode(encoded, device_id, hw_decoder_load)
+        if self.train: images = augment(images, self.size, **self.aug)
         stats = ((0., 0., 0.), (1., 1., 1.)) if self.mean is None else (self.mean, self.std)
         return dict(images=normalize(images, *stats, dtype), window=None, matrix=None)
 

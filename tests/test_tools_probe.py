@@ -64,8 +64,9 @@ def test_step_times_split_steps_inside_and_into_an_epoch():
     cb = st.Stamps(); cb.before_fit()
     for training,epoch,i in [(True, 0, 0), (True, 0, 1), (False, 0, 0), (True, 1, 0), (True, 1, 1), (True, 1, 2)]:
         cb.learn = type('L', (), dict(training=training, epoch=epoch, iter=i))()
-        cb.before_batch()
-    assert [(e, i) for e,i,_ in cb.t] == [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2)]
+        cb.before_batch(); cb.after_batch()
+    assert [(e, i) for e,i,_ in cb.t] == [(e, i) for e,i,_ in cb.ends] == [(0, 0), (0, 1), (1, 0), (1, 1), (1, 2)]
+    assert all(a[2] <= b[2] for a,b in zip(cb.t, cb.ends))  # a batch ends after it starts
     stamps = [(0, 0, 0.0), (0, 1, 0.010), (1, 0, 0.200), (1, 1, 0.210), (1, 2, 0.225)]
     inside,first = st.step_gaps(stamps, 0)
     assert [round(g) for g in inside] == [10, 10, 15] and [round(g) for g in first] == [190]

@@ -69,7 +69,7 @@ def fit_epochs(dls, epochs:int, world:int, sync_bn:bool, bar:bool=True, fused:bo
 def plain_model(fastai_model:bool, c:int=10):
     "torchvision's resnet50, or the resnet50 `vision_learner` builds (fastai's head), untrained, in training mode"
     # `.train()`: `create_vision_model` leaves its body in eval mode (the dummy pass that counts its features), and
-    # `Learner.fit` sets training mode but a plain loop must; BatchNorm in eval mode made a step 36% longer (H100)
+    # `Learner.fit` sets training mode but a plain loop must (without it, the rows of nbs/images/ddp_h200x2.txt marked wrong)
     return (create_vision_model(resnet50, c, pretrained=False) if fastai_model else resnet50(num_classes=c)).train()
 
 
