@@ -6,11 +6,11 @@ Docs: https://dali-fastai.github.io/dali_fastai/loader.html.md"""
 
 # %% auto #0
 __all__ = ['FULL_CHECK_LIMIT', 'AUG_OPTIONS', 'n_batches', 'shard_sizes', 'batches_per_rank', 'interleaved_order', 'as_device',
-           'dali_device_id', 'DaliNormalize', 'Target', 'category_target', 'ImageItems', 'bad_files', 'usable_items',
-           'DaliEpoch', 'derived_seed', 'PipelineSource', 'DaliDataLoader']
+           'dali_device_id', 'priority_stream', 'DaliNormalize', 'Target', 'category_target', 'ImageItems', 'bad_files',
+           'usable_items', 'DaliEpoch', 'derived_seed', 'PipelineSource', 'DaliDataLoader']
 
 # %% ../nbs/03_loader.ipynb #20a7e3fb
-import base64, copy, inspect, os, re, warnings
+import base64, copy, functools, inspect, os, re, warnings
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -94,6 +94,26 @@ def _local_gpu()->int:
 def dali_device_id(device:torch.device)->int|None:
     "DALI's `device_id`: the GPU's index, or None for DALI's CPU backend"
     return device.index if device.type == 'cuda' else None
+
+# %% ../nbs/03_loader.ipynb #59aad4a9
+@functools.cache
+def _highest_priority_stream(index:int)->torch.cuda.Stream:
+    "One stream of the device's highest priority for the whole process (one memory pool for PyTorch's allocator)"
+    return torch.cuda.Stream(index, priority=min(torch.cuda.Stream.priority_range()))
+
+@contextmanager
+def priority_stream(device:torch.device, # the device of the block's PyTorch work (from `as_device`)
+                    on:bool=True, # False: leave the caller's stream as it is
+                   ): # yields the CUDA stream the block runs on, or None on the CPU
+    "Run the block's PyTorch work on `device` on a stream of the highest priority, after the caller's work and before its next"
+    if device.type != 'cuda': yield None; return
+    caller = torch.cuda.current_stream(device)
+    high = _highest_priority_stream(device.index)
+    if not on or caller.priority <= high.priority: yield caller; return  # left alone, or already there (a nested loader)
+    high.wait_stream(caller)
+    try:
+        with torch.cuda.stream(high): yield high
+    finally: caller.wait_stream(high)
 
 # %% ../nbs/03_loader.ipynb #da4c7f20
 class DaliNormalize(Normalize):
@@ -388,6 +408,7 @@ class DaliDataLoader:
                  dtype:str='float32', # 'float32' or 'float16' images
                  crop_pct:float=0.875, # validation with keywords: centre crop's share of the resized shorter side
                  hw_decoder_load:float=HW_DECODER_LOAD, # GPU: share of JPEGs for the hardware JPEG decoder (A100, H100, H200)
+                 priority_stream:bool=True, # GPU: while iterated, PyTorch works on a high-priority stream (`priority_stream`)
                  drain_limit:int=4, # an abandoned epoch with at most this many batches left is drained, else rebuilt
                  skip_bad_files:bool=False, # leave out files that fail `check_images` (with one warning), instead of raising
                  check_files:bool=True, # check the files' headers before reading them (False: trust them)
@@ -559,6 +580,10 @@ class DaliDataLoader:
             self._source.close(); raise
 
     def __iter__(self):
+        with priority_stream(self.device, self.priority_stream): yield from self._batches()
+
+    def _batches(self):
+        "A whole, fresh epoch of batches"
         self.reset()
         self._epoch_no += 1
         taken,self._taken_at_resume = self._taken_at_resume,0  # batches of a resumed epoch already taken

@@ -1,6 +1,6 @@
 """Where inside `Learner.fit` does a DaliDataLoader-fed ResNet-18 lose its time? On the GPU machine:
 
-    python tools/step_times.py [--n-per-class 500] [--kw num_threads=4] [--bar] [--opt torch] [--burn 8]
+    python tools/step_times.py [--n-per-class 500] [--kw num_threads=4] [--versus priority_stream=0] [--bar] [--opt torch] [--burn 8]
 
 1. The host time between one training batch and the next, through `Learner.fit`, fed by a synthetic batch kept on the
    GPU and by `DaliDataLoaders.from_folder(bench_images(...))`, taken in turn twice: the median step inside an epoch,
@@ -15,6 +15,9 @@ GPU, bounds: fastai's Python a batch), and a plain PyTorch loop on the synthetic
 each with the CPU left alone and with N cores kept busy by another process decoding JPEGs on DALI's CPU backend (no
 GPU, no shared GIL): if `Learner.fit` slows under that load and the plain loop does not, fastai's per-batch Python is
 starved by the loader's CPU threads, not the GPU by its kernels.
+
+`--versus name=value ...`: 1. with a third row, `DaliDataLoader` with these settings too, taken in turn with the others
+(e.g. `priority_stream=0`: the training step on the caller's stream instead of a high-priority one).
 
 `--bar`: 1. with fastai's progress bar, as users train (`ProgressCallback` reads the smoothed loss with `.item()` every
 batch: the host waits for the GPU, then fetches the next batch while the GPU idles).
@@ -125,6 +128,7 @@ if __name__ == '__main__':
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
     p.add_argument('--n-per-class', type=int, default=500, help="bench_images' images a class (default: 500)")
     p.add_argument('--kw', nargs='*', default=[], help="name=value for DaliDataLoaders.from_folder")
+    p.add_argument('--versus', nargs='*', default=[], help="1. also with these name=value settings, in turn with the others")
     p.add_argument('--burn', type=int, default=0, help="instead: synthetic training with this many cores busy decoding elsewhere, against without")
     p.add_argument('--opt', choices=list(OPTS), default='fastai', help="the Learners' optimizer: fastai's Adam, or PyTorch's fused AdamW")
     p.add_argument('--bar', action='store_true', help="fit with fastai's progress bar, as users do (its loss comment reads the loss every batch)")
@@ -132,8 +136,10 @@ if __name__ == '__main__':
     p.add_argument('--burner', default=None, help=argparse.SUPPRESS)  # the busy process itself: decode this folder's JPEGs
     a = p.parse_args()
     if a.burner: burn(sorted(str(f) for f in Path(a.burner).rglob('*.jpg')), a.burn); raise SystemExit
-    kw = {k: (float(v) if '.' in v else int(v)) for k,v in (x.split('=') for x in a.kw)}
-    dls = DaliDataLoaders.from_folder(bench_images(n_per_class=a.n_per_class), bs=256, size=224, device='gpu', seed=0, **kw)
+    settings = lambda kws: {k: (float(v) if '.' in v else int(v)) for k,v in (x.split('=') for x in kws)}
+    kw,versus = settings(a.kw),settings(a.versus)
+    make = lambda **more: DaliDataLoaders.from_folder(bench_images(n_per_class=a.n_per_class), bs=256, size=224, device='gpu', seed=0, **kw, **more)
+    dls = make()
     synth = SyntheticLoader(256, 224, 10, torch.device('cuda'), n=len(dls.train))
     if a.burn:
         sys.path.insert(0, str(Path(__file__).parent)); from handover_probe import plain_loop
@@ -149,9 +155,9 @@ if __name__ == '__main__':
         raise SystemExit
     print(f"== {torch.cuda.get_device_name()} | resnet18, bs 256, 224 px | {len(dls.train)} training batches an epoch | {kw} | {a.opt} optimizer"
           f"{' | progress bar' if a.bar else ''}{' | no validation' if a.no_valid else ''}", flush=True)
+    rows = [('synthetic', DataLoaders(synth, synth)), ('DaliDataLoader', dls)] + ([(' '.join(a.versus), make(**versus))] if versus else [])
     for run in range(2):
-        for name,d in [('synthetic', DataLoaders(synth, synth)), ('DaliDataLoader', dls)]:
-            print(f"  {name:<15} {step_times(d, 256, opt=a.opt, bar=a.bar, valid=not a.no_valid)}", flush=True)
+        for name,d in rows: print(f"  {name:<15} {step_times(d, 256, opt=a.opt, bar=a.bar, valid=not a.no_valid)}", flush=True)
     if a.bar or a.no_valid: raise SystemExit
     print("== PyTorch operations that synchronized the device, DaliDataLoader-fed fit")
     print(sync_sites(dls))

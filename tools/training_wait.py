@@ -65,10 +65,10 @@ def kernel_time(dls, arch:str, n:int=20)->str:
     learn,cb = throughput_learner(dls, arch, dls.c),Profile(n)
     with learn.no_bar(), learn.no_logging(): learn.fit(100, cbs=cb)
     by_stream,names = collections.Counter(),collections.defaultdict(collections.Counter)
-    for e in cb.prof.profiler.kineto_results.events():
-        if e.device_type() != torch.autograd.DeviceType.CUDA: continue
-        ms = e.duration_ns()/1e6/n
-        by_stream[e.device_resource_id()] += ms; names[e.device_resource_id()][e.name()[:90]] += ms
+    for e in cb.prof.events():  # the profiler's public events (its kineto results were emptied on exit from torch 2.11 on)
+        if e.device_type != torch.autograd.DeviceType.CUDA: continue
+        ms = e.time_range.elapsed_us()/1e3/n
+        by_stream[e.device_resource_id] += ms; names[e.device_resource_id][e.name[:90]] += ms
     lines = []
     for s,ms in by_stream.most_common():
         top = '; '.join(f"{k} {v:.2f}" for k,v in names[s].most_common(3))
