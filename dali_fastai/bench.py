@@ -237,7 +237,7 @@ def fastai_default_dls(path, size:int, bs:int, device, workers:int|None=None):
     return ImageDataLoaders.from_folder(path, train='train', valid='valid', **fastai_aug_tfms(size), bs=bs,
                                         num_workers=workers if workers is not None else os.cpu_count(), device=device)
 
-# %% ../nbs/05_bench.ipynb #f9edd9c7
+# %% ../nbs/05_bench.ipynb #73ef90f8
 SLOWDOWNS = ('sw_power_cap', 'sw_thermal_slowdown', 'hw_thermal_slowdown', 'hw_power_brake_slowdown')
 
 def slowdown_counters(gpu:str, # the GPU as `nvidia-smi -i` takes it: PCI bus id, index or UUID

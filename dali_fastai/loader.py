@@ -95,7 +95,7 @@ def dali_device_id(device:torch.device)->int|None:
     "DALI's `device_id`: the GPU's index, or None for DALI's CPU backend"
     return device.index if device.type == 'cuda' else None
 
-# %% ../nbs/03_loader.ipynb #59aad4a9
+# %% ../nbs/03_loader.ipynb #05a7e35a
 @functools.cache
 def _highest_priority_stream(index:int)->torch.cuda.Stream:
     "One stream of the device's highest priority for the whole process (one memory pool for PyTorch's allocator)"
