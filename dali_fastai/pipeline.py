@@ -79,15 +79,14 @@ def decode_random_crop(encoded:DataNode, # encoded images
 def decode_center_crop(encoded:DataNode, # encoded images
                        size:int|tuple, # output side, or `(h, w)`, in pixels
                        device_id:int|None=None, # GPU id, or None for the CPU backend
-                       crop_pct:float=0.875, # the crop's share of the resized image (of its shorter side for a square)
+                       crop_pct:float=0.875, # the crop's share of the resized image
                        hw_decoder_load:float=HW_DECODER_LOAD, # GPU only: share of JPEGs given to the hardware JPEG decoder
                       )->DataNode: # RGB images of `size`, HWC uint8
-    "Resize to cover `size/crop_pct` (a square: the shorter side to it) and keep the centre `size`"
+    "Resize to cover `size/crop_pct` (a square: the shorter side to its side) and keep the centre `size`"
     if not 0 < crop_pct <= 1: raise ValueError(f"crop_pct must be in (0, 1], got {crop_pct}")
     h,w = hw(size)
     images = fn.decoders.image(encoded, **decoder_args(device_id, hw_decoder_load))
-    images = (fn.resize(images, resize_shorter=round(h/crop_pct)) if h == w else
-              fn.resize(images, resize_x=round(w/crop_pct), resize_y=round(h/crop_pct), mode='not_smaller'))
+    images = fn.resize(images, resize_x=round(w/crop_pct), resize_y=round(h/crop_pct), mode='not_smaller')
     return fn.crop(images, crop=(h, w), crop_pos_x=0.5, crop_pos_y=0.5)
 
 # %% ../nbs/02_pipeline.ipynb #d255da50
