@@ -190,13 +190,15 @@ _BORDERS = {'reflection': 'reflect', 'zeros': 'constant', 'border': 'replicate'}
 def warp(images:DataNode, # images, HWC
          m:DataNode, # per-sample 2×3 destination → source map
          pad_mode:str='reflection', # 'reflection' (fastai's default), 'zeros' or 'border'
-        )->DataNode: # warped images, same size
+         size:int|tuple|None=None, # output side, or `(h, w)`, in pixels; None: the input's size
+        )->DataNode: # warped images
     "Resample `images` through `m`, filling outside pixels the way fastai's `pad_mode` does"
     if pad_mode not in _BORDERS:
         raise ValueError(f"pad_mode must be one of {list(_BORDERS)}, got {pad_mode!r}")
     m3 = fn.cat(m, types.Constant(np.array([[0, 0, 1]], dtype=np.float32)), axis=0)
+    out = {} if size is None else dict(size=list(hw(size)))
     return fn.experimental.warp_perspective(images, matrix=m3, border_mode=_BORDERS[pad_mode], fill_value=0,
-                                            interp_type=types.INTERP_LINEAR)
+                                            interp_type=types.INTERP_LINEAR, **out)
 
 # %% ../nbs/01_augment.ipynb #63dfa6ff
 def lighting(images:DataNode, # images, HWC uint8

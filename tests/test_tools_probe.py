@@ -2,7 +2,7 @@
 decide what is measured are checked here, on the CPU: a wrong lever parser or a batch-dropping thread would report
 numbers for something else."""
 import time
-import pytest, torch
+import numpy as np, pytest, torch
 
 from helpers import load_tool
 
@@ -106,3 +106,52 @@ def test_parts_times_each_step_of_next_in_the_iterators_scope(probe, monkeypatch
     res = probe.parts(it, cpm=1., n=2)
     assert calls == 2*['queue', ('scope', 'ITERATOR'), 'share', 'release', 'schedule']
     assert [w.split()[0] for w in res.split(', ')] == ['share_outputs', 'from_dlpack', 'release_outputs', 'schedule_run', 'drop']
+
+
+def test_step_times_gpu_columns_pair_the_same_batches():
+    "The GPU's columns read the same pairs as the host's: the gap into the next batch inside an epoch, and each batch's own time"
+    st = load_tool('step_times')
+    stamps = [(0, 0, 0.0), (0, 1, 0.010), (1, 0, 0.200), (1, 1, 0.210)]
+    ends = [(0, 0, 0.008), (0, 1, 0.019), (1, 0, 0.203), (1, 1, 0.214)]
+    assert [round(g) for g in st.batch_times(stamps, ends, 0)] == [8, 9, 3, 4]
+    assert [round(g) for g in st.batch_times(stamps, ends, 2)] == [3, 4]
+    class At(float):  # a stand-in CUDA event: `elapsed_time` in milliseconds, as torch.cuda.Event's
+        def elapsed_time(self, later): return 1e3*(later - self)
+    ev = lambda xs: [(e, i, At(t)) for e,i,t in xs]
+    assert st.fetch_gaps(ev(stamps), ev(ends), 0, st.gpu_ms) == pytest.approx(st.fetch_gaps(stamps, ends, 0))
+    assert st.batch_times(ev(stamps), ev(ends), 1, st.gpu_ms) == pytest.approx(st.batch_times(stamps, ends, 1))
+
+
+@pytest.fixture(scope='module')
+def levers(): return load_tool('levers')
+
+
+def test_fold_lever_reads_each_sample_through_the_same_map(levers, tmp_path):
+    "The resize folded into the warp: the same crop and augmentation draws, read through the same map, in one resample"
+    from helpers import make_coordinate_image, index_loader, source_maps
+    files = [make_coordinate_image(tmp_path/f'{i}.png') for i in range(8)]
+    make = lambda: index_loader(files, bs=8, size=32, train=True, seed=5, p_rotate=0.5, p_warp=0.3)
+    (x,_),(xf,_) = next(iter(make())),next(iter(levers.folded(make())))
+    ours,theirs = source_maps(xf),source_maps(x)
+    assert np.abs(ours - theirs).max() < 0.3  # pixels
+    assert np.abs(theirs - theirs[[1, 2, 3, 4, 5, 6, 7, 0]]).max() > 5  # the samples' maps differ: a wrong map would show
+    with pytest.raises(ValueError, match='needs the keyword recipe'):
+        from fastai.vision.augment import Resize
+        levers.folded(index_loader(files, bs=8, item_tfms=Resize(16)))
+
+
+def test_threaded_lever_yields_the_loaders_batches_in_order(levers, files):
+    from helpers import index_loader
+    dl = levers.OnThread(index_loader(files[:40], bs=8, seed=1))
+    assert len(dl) == 5
+    assert [y.tolist() for _,y in dl] == [y.tolist() for _,y in index_loader(files[:40], bs=8, seed=1)]
+
+
+def test_take_ahead_lever_hands_over_the_batch_it_took(levers, files):
+    "A batch taken ahead is the one the next `next()` yields; at the end of the epoch nothing more is taken"
+    from helpers import index_loader
+    dl,seen = levers.take_ahead(index_loader(files[:40], bs=8, train=True, seed=1)),[]
+    for _,y in dl: seen.append(y.tolist()); dl.take_ahead()
+    assert seen == [y.tolist() for _,y in index_loader(files[:40], bs=8, train=True, seed=1)] and len(seen) == 5
+    dl.take_ahead()  # outside an epoch: nothing happens
+    assert dl._running is None and dl._ahead is None

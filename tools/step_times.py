@@ -1,6 +1,7 @@
 """Where inside `Learner.fit` does a DaliDataLoader-fed ResNet-18 lose its time? On the GPU machine:
 
-    python tools/step_times.py [--n-per-class 500] [--kw num_threads=4] [--versus priority_stream=0] [--bar] [--opt torch] [--burn 8]
+    python tools/step_times.py [--n-per-class 500] [--kw num_threads=4] [--versus priority_stream=0] [--lever fold threaded take_ahead] [--arch resnet50]
+                               [--bar] [--opt torch] [--no-valid] [--burn 8]
 
 1. The host time between one training batch and the next, through `Learner.fit`, fed by a synthetic batch kept on the
    GPU and by `DaliDataLoaders.from_folder(bench_images(...))`, taken in turn twice: the median step inside an epoch,
@@ -16,8 +17,16 @@ each with the CPU left alone and with N cores kept busy by another process decod
 GPU, no shared GIL): if `Learner.fit` slows under that load and the plain loop does not, fastai's per-batch Python is
 starved by the loader's CPU threads, not the GPU by its kernels.
 
+Each row of 1. also reads CUDA events recorded at the same two points: where the GPU's stream was between one training
+batch and the next (the GPU idles there while the host fetches the next batch, since fastai's `Recorder` reads every
+training batch's loss to the CPU, a synchronization) and how long the GPU took for a batch.
+
 `--versus name=value ...`: 1. with a third row, `DaliDataLoader` with these settings too, taken in turn with the others
 (e.g. `priority_stream=0`: the training step on the caller's stream instead of a high-priority one).
+
+`--lever fold threaded take_ahead`: 1. with a row for each lever of `tools/levers.py`, taken in turn with the others
+(the resize folded into the warp; the loader's batches made by a thread of their own; the next batch taken by a
+callback while the GPU still runs the step).
 
 `--bar`: 1. with fastai's progress bar, as users train (`ProgressCallback` reads the smoothed loss with `.item()` every
 batch: the host waits for the GPU, then fetches the next batch while the GPU idles).
@@ -28,8 +37,8 @@ then the epoch boundary alone.
 `--opt torch`: every `Learner` trains with PyTorch's fused AdamW (`OptimWrapper`) instead of fastai's `Adam`, which
 runs a few PyTorch operations a parameter in Python: the host's share of a step, as a user can change it.
 
-The numbers of 2026-11-24 are in nbs/images/step_wait_h100.txt and nbs/images/step_times_h200.txt, and the bench
-notebook's "The step no longer waits" and "Where the rest goes"."""
+The numbers of 2026-11-24 are in nbs/images/step_wait_h100.txt, step_times_h200.txt, step_priority_h100.txt and
+step_levers_h100.txt, and the bench notebook's "The step no longer waits", "Where the rest goes" and "Third round"."""
 import argparse, collections, contextlib, functools, statistics, subprocess, sys, threading, time, traceback, warnings
 from pathlib import Path
 import torch
@@ -46,16 +55,35 @@ class Stamps(Callback):
     "The host clock at the start and at the end of every training batch, with its epoch and index"
     order = 100
     def before_fit(self): self.t,self.ends = [],[]
+    def stamp(self): return time.perf_counter()
     def before_batch(self):
-        if self.training: self.t.append((self.epoch, self.iter, time.perf_counter()))
+        if self.training: self.t.append((self.epoch, self.iter, self.stamp()))
     def after_batch(self):
-        if self.training: self.ends.append((self.epoch, self.iter, time.perf_counter()))
+        if self.training: self.ends.append((self.epoch, self.iter, self.stamp()))
 
 
-def fetch_gaps(stamps:list, ends:list, skip:int)->list:
+class GpuStamps(Stamps):
+    "A CUDA event at the start and at the end of every training batch: where the GPU's stream was when the host got there"
+    order = 101
+    def stamp(self):
+        e = torch.cuda.Event(enable_timing=True); e.record()
+        return e
+
+
+def host_ms(a:float, b:float)->float: return 1e3*(b - a)
+def gpu_ms(a:torch.cuda.Event, b:torch.cuda.Event)->float: return a.elapsed_time(b)
+
+
+def fetch_gaps(stamps:list, ends:list, skip:int, ms=host_ms)->list:
     "Milliseconds from the end of one training batch to the start of the next inside an epoch (the loader's `next()`), after `skip`"
     starts = {(e, i): t for e,i,t in stamps[skip:]}
-    return [1e3*(starts[(e, i+1)] - t) for e,i,t in ends[skip:] if (e, i+1) in starts]
+    return [ms(t, starts[(e, i+1)]) for e,i,t in ends[skip:] if (e, i+1) in starts]
+
+
+def batch_times(stamps:list, ends:list, skip:int, ms=host_ms)->list:
+    "Milliseconds from the start of each training batch to its end, after `skip`"
+    starts = {(e, i): t for e,i,t in stamps[skip:]}
+    return [ms(starts[(e, i)], t) for e,i,t in ends[skip:] if (e, i) in starts]
 
 
 def step_gaps(stamps:list, skip:int)->tuple:
@@ -73,16 +101,20 @@ class NoValidation(Callback):
     def before_validate(self): raise CancelValidException()
 
 
-def step_times(dls, bs:int, epochs:int=4, opt:str='fastai', bar:bool=False, valid:bool=True)->str:
+def step_times(dls, bs:int, epochs:int=4, opt:str='fastai', bar:bool=False, valid:bool=True, cbs:list=(), arch:str='resnet18')->str:
     "Median host milliseconds of a step inside an epoch and of an epoch's first step, after the first epoch"
-    learn = throughput_learner(dls, 'resnet18', c=10, cbs=[Stamps()] + ([] if valid else [NoValidation()]))
+    learn = throughput_learner(dls, arch, c=10, cbs=[Stamps(), GpuStamps(), *cbs] + ([] if valid else [NoValidation()]))
     if OPTS[opt]: learn.opt_func = OPTS[opt]
     with contextlib.nullcontext() if bar else learn.no_bar(), learn.no_logging(): learn.fit(epochs)
-    inside,first = step_gaps(learn.stamps.t, len(dls.train))
-    fetch = fetch_gaps(learn.stamps.t, learn.stamps.ends, len(dls.train))
+    torch.cuda.synchronize()
+    n,host,gpu = len(dls.train),learn.stamps,learn.gpu_stamps
+    inside,first = step_gaps(host.t, n)
+    fetch = fetch_gaps(host.t, host.ends, n)
+    gpu_fetch,gpu_batch = fetch_gaps(gpu.t, gpu.ends, n, gpu_ms),batch_times(gpu.t, gpu.ends, n, gpu_ms)
     return (f"step median {statistics.median(inside):.1f} ms ({bs*1e3/statistics.median(inside):,.0f} img/s), "
             f"an epoch's first step {statistics.median(first):.0f} ms, between batches (next()) median "
-            f"{statistics.median(fetch):.2f} ms, max {max(fetch):.2f} ms")
+            f"{statistics.median(fetch):.2f} ms, max {max(fetch):.2f} ms\n{'':18}on the GPU's stream: between batches median "
+            f"{statistics.median(gpu_fetch):.2f} ms, a batch median {statistics.median(gpu_batch):.1f} ms")
 
 
 def sync_sites(dls, n:int=6)->str:
@@ -126,9 +158,12 @@ def busy_cores(folder, threads:int):
 if __name__ == '__main__':
     import fastai.callback.progress  # noqa: F401 (Learner.no_bar)
     p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    p.add_argument('--arch', default='resnet18', help="1.: the torchvision model trained (default: resnet18)")
     p.add_argument('--n-per-class', type=int, default=500, help="bench_images' images a class (default: 500)")
     p.add_argument('--kw', nargs='*', default=[], help="name=value for DaliDataLoaders.from_folder")
     p.add_argument('--versus', nargs='*', default=[], help="1. also with these name=value settings, in turn with the others")
+    p.add_argument('--lever', nargs='*', default=[], choices=['fold', 'threaded', 'take_ahead'],
+                   help="1. also with these levers of tools/levers.py, in turn with the others")
     p.add_argument('--burn', type=int, default=0, help="instead: synthetic training with this many cores busy decoding elsewhere, against without")
     p.add_argument('--opt', choices=list(OPTS), default='fastai', help="the Learners' optimizer: fastai's Adam, or PyTorch's fused AdamW")
     p.add_argument('--bar', action='store_true', help="fit with fastai's progress bar, as users do (its loss comment reads the loss every batch)")
@@ -153,11 +188,15 @@ if __name__ == '__main__':
                           f"           Learner.fit bs 32: {step_times(DataLoaders(small, small), 32, opt=a.opt)}\n"
                           f"           plain loop bs 256: {plain_loop(_endless(synth), 'resnet18'):,.0f} img/s", flush=True)
         raise SystemExit
-    print(f"== {torch.cuda.get_device_name()} | resnet18, bs 256, 224 px | {len(dls.train)} training batches an epoch | {kw} | {a.opt} optimizer"
+    print(f"== {torch.cuda.get_device_name()} | {a.arch}, bs 256, 224 px | {len(dls.train)} training batches an epoch | {kw} | {a.opt} optimizer"
           f"{' | progress bar' if a.bar else ''}{' | no validation' if a.no_valid else ''}", flush=True)
-    rows = [('synthetic', DataLoaders(synth, synth)), ('DaliDataLoader', dls)] + ([(' '.join(a.versus), make(**versus))] if versus else [])
+    rows = [('synthetic', DataLoaders(synth, synth), []), ('DaliDataLoader', dls, [])] + ([(' '.join(a.versus), make(**versus), [])] if versus else [])
+    if a.lever: sys.path.insert(0, str(Path(__file__).parent)); from levers import LEVERS
+    for k in a.lever:
+        d = make(); train,cbs = LEVERS[k](d.train)
+        rows.append((k, DataLoaders(train, d.valid), cbs))
     for run in range(2):
-        for name,d in rows: print(f"  {name:<15} {step_times(d, 256, opt=a.opt, bar=a.bar, valid=not a.no_valid)}", flush=True)
+        for name,d,cbs in rows: print(f"  {name:<15} {step_times(d, 256, opt=a.opt, bar=a.bar, valid=not a.no_valid, cbs=cbs, arch=a.arch)}", flush=True)
     if a.bar or a.no_valid: raise SystemExit
     print("== PyTorch operations that synchronized the device, DaliDataLoader-fed fit")
     print(sync_sites(dls))
