@@ -1,7 +1,8 @@
 """Where inside `Learner.fit` does a DaliDataLoader-fed ResNet-18 lose its time? On the GPU machine:
 
-    python tools/step_times.py [--n-per-class 500] [--kw num_threads=4] [--versus priority_stream=0] [--lever fold threaded take_ahead] [--arch resnet50]
-                               [--bar] [--opt torch] [--no-valid] [--burn 8]
+    python tools/step_times.py [--n-per-class 500] [--kw num_threads=4] [--versus priority_stream=0]
+                               [--lever fold threaded take_ahead] [--arch resnet50] [--bar] [--opt torch] [--no-valid]
+                               [--burn 8]
 
 1. The host time between one training batch and the next, through `Learner.fit`, fed by a synthetic batch kept on the
    GPU and by `DaliDataLoaders.from_folder(bench_images(...))`, taken in turn twice: the median step inside an epoch,
@@ -49,6 +50,9 @@ from fastai.optimizer import OptimWrapper
 from dali_fastai.bench import bench_images, SyntheticLoader, throughput_learner
 from dali_fastai.data import DaliDataLoaders
 from dali_fastai.pipeline import valid_pipeline
+
+sys.path.insert(0, str(Path(__file__).parent))  # tools/ is a folder of scripts
+from levers import LEVERS
 
 
 class Stamps(Callback):
@@ -101,7 +105,8 @@ class NoValidation(Callback):
     def before_validate(self): raise CancelValidException()
 
 
-def step_times(dls, bs:int, epochs:int=4, opt:str='fastai', bar:bool=False, valid:bool=True, cbs:list=(), arch:str='resnet18')->str:
+def step_times(dls, bs:int, epochs:int=4, opt:str='fastai', bar:bool=False, valid:bool=True, cbs:list=(),
+               arch:str='resnet18')->str:
     "Median host milliseconds of a step inside an epoch and of an epoch's first step, after the first epoch"
     learn = throughput_learner(dls, arch, c=10, cbs=[Stamps(), GpuStamps(), *cbs] + ([] if valid else [NoValidation()]))
     if OPTS[opt]: learn.opt_func = OPTS[opt]
@@ -162,7 +167,7 @@ if __name__ == '__main__':
     p.add_argument('--n-per-class', type=int, default=500, help="bench_images' images a class (default: 500)")
     p.add_argument('--kw', nargs='*', default=[], help="name=value for DaliDataLoaders.from_folder")
     p.add_argument('--versus', nargs='*', default=[], help="1. also with these name=value settings, in turn with the others")
-    p.add_argument('--lever', nargs='*', default=[], choices=['fold', 'threaded', 'take_ahead'],
+    p.add_argument('--lever', nargs='*', default=[], choices=list(LEVERS),
                    help="1. also with these levers of tools/levers.py, in turn with the others")
     p.add_argument('--burn', type=int, default=0, help="instead: synthetic training with this many cores busy decoding elsewhere, against without")
     p.add_argument('--opt', choices=list(OPTS), default='fastai', help="the Learners' optimizer: fastai's Adam, or PyTorch's fused AdamW")
@@ -177,7 +182,7 @@ if __name__ == '__main__':
     dls = make()
     synth = SyntheticLoader(256, 224, 10, torch.device('cuda'), n=len(dls.train))
     if a.burn:
-        sys.path.insert(0, str(Path(__file__).parent)); from handover_probe import plain_loop
+        from handover_probe import plain_loop
         from dali_fastai.bench import _endless
         small = SyntheticLoader(32, 224, 10, torch.device('cuda'), n=len(dls.train))
         print(f"== {torch.cuda.get_device_name()} | resnet18, 224 px | synthetic batch, {a.burn} cores busy or not | {a.opt} optimizer", flush=True)
@@ -191,7 +196,6 @@ if __name__ == '__main__':
     print(f"== {torch.cuda.get_device_name()} | {a.arch}, bs 256, 224 px | {len(dls.train)} training batches an epoch | {kw} | {a.opt} optimizer"
           f"{' | progress bar' if a.bar else ''}{' | no validation' if a.no_valid else ''}", flush=True)
     rows = [('synthetic', DataLoaders(synth, synth), []), ('DaliDataLoader', dls, [])] + ([(' '.join(a.versus), make(**versus), [])] if versus else [])
-    if a.lever: sys.path.insert(0, str(Path(__file__).parent)); from levers import LEVERS
     for k in a.lever:
         d = make(); train,cbs = LEVERS[k](d.train)
         rows.append((k, DataLoaders(train, d.valid), cbs))
