@@ -14,7 +14,7 @@ They are measurements, not library features: each changes one thing and keeps th
   the next batch only after the GPU has finished the step, and the GPU idles meanwhile.
 
 The numbers of 2026-11-24 (H100) are in nbs/images/step_levers_h100.txt and the bench notebook's "Third round"."""
-import copy, sys
+import sys
 from pathlib import Path
 import torch
 from nvidia.dali import fn, types
@@ -49,10 +49,9 @@ class FoldedRecipe(KeywordRecipe):
 
 def folded(dl):
     "The training `DaliDataLoader` `dl`, its keyword recipe replaced by `FoldedRecipe` (same settings)"
-    r = copy.copy(dl.recipes[0])
+    r = dl.recipes[0]
     if type(r) is not KeywordRecipe: raise ValueError(f"the fold lever needs the keyword recipe, got {type(r).__name__}")
-    r.__class__ = FoldedRecipe
-    dl.recipes = (r, dl.recipes[1])
+    dl.recipes = (FoldedRecipe(True, r.size, r.crop_pct, r.area, r.ratio, r.mean, r.std, **r.aug), dl.recipes[1])
     return dl
 
 
