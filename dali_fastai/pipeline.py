@@ -6,12 +6,13 @@ Docs: https://dali-fastai.github.io/dali_fastai/pipeline.html.md"""
 
 # %% auto #0
 __all__ = ['HW_DECODER_LOAD', 'HW_DECODER_HINT', 'IMAGENET_MEAN', 'IMAGENET_STD', 'read_files', 'shuffled', 'decoder_args',
-           'decode_random_crop', 'decode_center_crop', 'augment', 'normalize', 'default_threads', 'new_pipeline',
-           'on_device', 'classification_pipeline', 'train_pipeline', 'valid_pipeline']
+           'decode_random_crop', 'decode_center_crop', 'augment_steps', 'augment', 'normalize', 'default_threads',
+           'new_pipeline', 'on_device', 'classification_pipeline', 'train_pipeline', 'valid_pipeline']
 
 # %% ../nbs/02_pipeline.ipynb #e5c43764
 import os
 import numpy as np
+from fastcore.meta import delegates
 from nvidia.dali import fn, types
 from nvidia.dali.pipeline import Pipeline
 from nvidia.dali.data_node import DataNode
@@ -89,31 +90,39 @@ def decode_center_crop(encoded:DataNode, # encoded images
     images = fn.resize(images, resize_x=round(w/crop_pct), resize_y=round(h/crop_pct), mode='not_smaller')
     return fn.crop(images, crop=(h, w), crop_pos_x=0.5, crop_pos_y=0.5)
 
+# %% ../nbs/02_pipeline.ipynb #6c98ae2d
+def augment_steps(size:int|tuple, # side of the augmented images, or `(h, w)`, in pixels
+                  p_hflip:float=0.5, # probability of a horizontal flip
+                  p_vflip:float=0.1, # probability of a vertical flip
+                  rotate_range:tuple=(-7., 7.), # rotation angle range, degrees
+                  p_rotate:float=0.075, # probability of a rotation
+                  warp_mode:str|None='fixed', # 'fixed': the article's fixed set; 'random': new warps per sample; None: no warps
+                  warps:np.ndarray|None=None, # fixed `(x, y)` pairs from `synthetic_warps` (needed for 'fixed')
+                  n_warps:int=7, # number of warps (for 'random'; 'fixed' uses `len(warps)`)
+                  warp_magnitude:float=0.1, # x, y range of random warps
+                  p_warp:float=0.025, # probability of each warp, per sample
+                  compose:bool=True, # draw the fixed warps (and the random ones) as one matrix each, for one resample
+                 )->list: # per-sample 2×3 destination → source maps, in the order they apply
+    "`augment`'s geometric steps, from its keywords"
+    if warp_mode not in ('fixed', 'random', None):
+        raise ValueError(f"warp must be 'fixed', 'random' or None, got {warp_mode!r}")
+    if warp_mode == 'fixed' and warps is None: raise ValueError("warp='fixed' needs `warps`: pass synthetic_warps(n)")
+    return affine_steps(size, p_hflip=p_hflip, p_vflip=p_vflip, rotate_range=rotate_range, p_rotate=p_rotate,
+                        warps=warps if warp_mode == 'fixed' else None, random_warps=n_warps if warp_mode == 'random' else 0,
+                        warp_magnitude=warp_magnitude, p_warp=p_warp, fold=compose)
+
 # %% ../nbs/02_pipeline.ipynb #d255da50
+@delegates(augment_steps, but=['size'])
 def augment(images:DataNode, # images of `size`, HWC uint8
             size:int|tuple, # their side, or `(h, w)`, in pixels
-            p_hflip:float=0.5, # probability of a horizontal flip
-            p_vflip:float=0.1, # probability of a vertical flip
-            rotate_range:tuple=(-7., 7.), # rotation angle range, degrees
-            p_rotate:float=0.075, # probability of a rotation
-            warp_mode:str|None='fixed', # 'fixed': the article's fixed set; 'random': new warps per sample; None: no warps
-            warps:np.ndarray|None=None, # fixed `(x, y)` pairs from `synthetic_warps` (needed for 'fixed')
-            n_warps:int=7, # number of warps (for 'random'; 'fixed' uses `len(warps)`)
-            warp_magnitude:float=0.1, # x, y range of random warps
-            p_warp:float=0.025, # probability of each warp, per sample
             compose:bool=True, # multiply all steps into one matrix and resample once
             pad_mode:str='reflection', # fill outside the image: 'reflection', 'zeros' or 'border'
             max_lighting:float=0., # brightness/contrast change, 0 for none
             p_lighting:float=0.75, # probability of a lighting change
+            **kwargs, # `augment_steps`' keywords: flips, rotation, warps
            )->DataNode: # augmented images, same shape
     "The article's augmentations, per sample: flips, synthetic warps, coin-flip rotate, and optional lighting"
-    if warp_mode not in ('fixed', 'random', None):
-        raise ValueError(f"warp must be 'fixed', 'random' or None, got {warp_mode!r}")
-    if warp_mode == 'fixed' and warps is None: raise ValueError("warp='fixed' needs `warps`: pass synthetic_warps(n)")
-    steps = affine_steps(size, p_hflip=p_hflip, p_vflip=p_vflip, rotate_range=rotate_range, p_rotate=p_rotate,
-                         warps=warps if warp_mode == 'fixed' else None,
-                         random_warps=n_warps if warp_mode == 'random' else 0,
-                         warp_magnitude=warp_magnitude, p_warp=p_warp, fold=compose)
+    steps = augment_steps(size, compose=compose, **kwargs)
     if steps and compose: images = warp(images, combine_steps(steps), pad_mode)
     elif steps:
         for m in steps: images = warp(images, m, pad_mode)

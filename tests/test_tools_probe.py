@@ -150,8 +150,8 @@ def test_threaded_lever_yields_the_loaders_batches_in_order(levers, files):
 def test_take_ahead_lever_hands_over_the_batch_it_took(levers, files):
     "A batch taken ahead is the one the next `next()` yields; at the end of the epoch nothing more is taken"
     from helpers import index_loader
-    dl,seen = levers.take_ahead(index_loader(files[:40], bs=8, train=True, seed=1)),[]
+    dl,seen = levers.TakeAheadLoader(index_loader(files[:40], bs=8, train=True, seed=1)),[]
     for _,y in dl: seen.append(y.tolist()); dl.take_ahead()
     assert seen == [y.tolist() for _,y in index_loader(files[:40], bs=8, train=True, seed=1)] and len(seen) == 5
     dl.take_ahead()  # outside an epoch: nothing happens
-    assert dl._running is None and dl._ahead is None
+    assert dl.running is None and dl.ahead is None

@@ -1,4 +1,4 @@
-"""Two levers on a DaliDataLoader-fed training step that `tools/step_times.py --lever` times beside the default loader.
+"""Three levers on a DaliDataLoader-fed training step that `tools/step_times.py --lever` times beside the default loader.
 They are measurements, not library features: each changes one thing and keeps the rest.
 
 - `fold`: the keyword training graph with `fn.resize` folded into the warp. `decode_random_crop` decodes the crop window
@@ -20,9 +20,9 @@ import torch
 from nvidia.dali import fn, types
 from fastai.callback.core import Callback
 
-from dali_fastai.augment import affine_steps, combine_steps, warp
-from dali_fastai.loader import DaliDataLoader, priority_stream
-from dali_fastai.pipeline import HW_DECODER_LOAD, decoder_args, normalize
+from dali_fastai.augment import combine_steps, lighting, warp
+from dali_fastai.loader import priority_stream
+from dali_fastai.pipeline import HW_DECODER_LOAD, augment_steps, decoder_args, normalize
 from dali_fastai.translate import KeywordRecipe, _image_hw
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -37,13 +37,11 @@ class FoldedRecipe(KeywordRecipe):
         anchor,crop = fn.random_crop_generator(fn.cast(fn.stack(ih, iw), dtype=types.INT64), num_attempts=10,
                                                random_area=list(self.area), random_aspect_ratio=list(self.ratio))
         images = fn.decoders.image_slice(encoded, anchor, crop, axis_names='HW', **decoder_args(device_id, hw_decoder_load))
-        mode,warps,n = aug.pop('warp_mode', 'fixed'),aug.pop('warps', None),aug.pop('n_warps', 7)
-        pad_mode = aug.pop('pad_mode', 'reflection'); aug.pop('compose', None)
-        steps = affine_steps(self.size, warps=warps if mode == 'fixed' else None,
-                             random_warps=n if mode == 'random' else 0, fold=True, **aug)
+        pad_mode,max_lighting,p_lighting = aug.pop('pad_mode', 'reflection'),aug.pop('max_lighting', 0.),aug.pop('p_lighting', 0.75)
         ch,cw = fn.cast(crop[0], dtype=types.FLOAT),fn.cast(crop[1], dtype=types.FLOAT)
         resize = fn.transforms.scale(scale=fn.stack(cw/w, ch/h))  # output pixels -> crop pixels: the first step applied
-        images = warp(images, combine_steps([resize] + steps), pad_mode, size=(h, w))
+        images = warp(images, combine_steps([resize] + augment_steps(self.size, **aug)), pad_mode, size=(h, w))
+        if max_lighting > 0: images = lighting(images, max_lighting, p_lighting)
         return dict(images=normalize(images, self.mean, self.std, dtype), window=None, matrix=None)
 
 
@@ -55,14 +53,17 @@ def folded(dl):
     return dl
 
 
-class OnThread:
-    "A loader whose batches a thread makes one ahead, on a side stream of the highest priority, handed over by a CUDA event"
+class Wrapped:
+    "A loader standing in for the `DaliDataLoader` `dl`: its length and every attribute but how it iterates"
     def __init__(self, dl): self.dl = dl
     def __len__(self): return len(self.dl)
     def __getattr__(self, k):
         if k == 'dl': raise AttributeError(k)  # not set yet (copy, pickle): no recursion into `self.dl`
         return getattr(self.dl, k)
 
+
+class OnThread(Wrapped):
+    "The loader's batches made by a thread one ahead, on a side stream of the highest priority, handed over by a CUDA event"
     def _made(self, side):
         "The loader's batches with the event recorded after each on `side` (runs on the worker thread)"
         with torch.cuda.stream(side):
@@ -80,23 +81,21 @@ class OnThread:
                 yield b
 
 
-class TakeAheadLoader(DaliDataLoader):
-    "A `DaliDataLoader` whose next batch can be taken before `next()` asks for it (`take_ahead`): `next()` then hands it over"
+class TakeAheadLoader(Wrapped):
+    "The loader's batches, of which the next can be taken before `next()` asks for it (`take_ahead`): `next()` then hands it over"
+    running = ahead = None
     def __iter__(self):
-        with priority_stream(self.device, self.priority_stream):
-            batches = self._running = self._batches()
-            self._ahead = None
-            try:
-                while True:
-                    b,self._ahead = (self._ahead, None) if self._ahead is not None else (next(batches, None), None)
-                    if b is None: return
-                    yield b
-            finally: self._running = self._ahead = None
+        self.running,self.ahead = iter(self.dl),None  # the loader's own epoch: its stream, its errors
+        try:
+            while True:
+                b,self.ahead = (self.ahead, None) if self.ahead is not None else (next(self.running, None), None)
+                if b is None: return
+                yield b
+        finally: self.running = self.ahead = None
 
     def take_ahead(self):
         "Take the running epoch's next batch now, unless one is taken already"
-        if getattr(self, '_running', None) is not None and getattr(self, '_ahead', None) is None:
-            self._ahead = next(self._running, None)
+        if self.running is not None and self.ahead is None: self.ahead = next(self.running, None)
 
 
 class TakeAhead(Callback):
@@ -105,9 +104,6 @@ class TakeAhead(Callback):
         if isinstance(self.dl, TakeAheadLoader): self.dl.take_ahead()
 
 
-def take_ahead(dl): dl.__class__ = TakeAheadLoader; return dl
-
-
 # each takes the training `DaliDataLoader` and gives a loader to train from, and the callbacks its `Learner` needs
 LEVERS = {'fold': lambda dl: (folded(dl), []), 'threaded': lambda dl: (OnThread(dl), []),
-          'take_ahead': lambda dl: (take_ahead(dl), [TakeAhead()])}
+          'take_ahead': lambda dl: (TakeAheadLoader(dl), [TakeAhead()])}
