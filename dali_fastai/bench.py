@@ -14,7 +14,7 @@ __all__ = ['BENCH_PHOTOS', 'SLOWDOWNS', 'COMPILED', 'LEFTOVER', 'TARGETS', 'benc
            'format_scale', 'time_to_accuracy', 'format_accuracy', 'shards_bench', 'format_shards']
 
 # %% ../nbs/05_bench.ipynb #77154514
-import datetime, gc, json, math, os, platform, shutil, statistics, subprocess, time
+import contextlib, datetime, gc, json, math, os, platform, shutil, statistics, subprocess, time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -175,12 +175,13 @@ class SyntheticLoader:
 def learner_throughput(learn:Learner, # a Learner ready to fit
                        n_batches:int=30, warmup:int=10, passes:int=3, # as in `loader_throughput`
                        clock:Callable=time.perf_counter, # seconds, as a float
+                       bar:bool=False, # keep fastai's progress bar, as fastai trains by default
                       )->float: # images per second
     "Median images per second through `learn.fit`, timed by `Throughput` over `n_batches` after `warmup`, each pass"
     rates = []
     for _ in range(passes):
         cb = Throughput(n_batches, warmup, clock)
-        with learn.no_bar(), learn.no_logging(): learn.fit(math.ceil((n_batches + warmup)/len(learn.dls.train)) + 1, cbs=cb)
+        with contextlib.nullcontext() if bar else learn.no_bar(), learn.no_logging(): learn.fit(math.ceil((n_batches + warmup)/len(learn.dls.train)) + 1, cbs=cb)
         _let_go()  # the cancelled fit's loader iterator
         rates.append(cb.rate)
     return statistics.median(rates)

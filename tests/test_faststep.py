@@ -1,0 +1,158 @@
+"""`FastStep` with the rest of fastai's Learner API, on dali_fastai's loaders (DALI's CPU backend) and fastai's own.
+
+Each test asserts what would break if `FastStep` got in the way: the API runs, and its result is what fastai's gives."""
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from fastai.callback.core import CancelFitException
+from fastai.callback.schedule import fit_one_cycle, fit_flat_cos, lr_find, fine_tune  # noqa: F401 (add them to Learner)
+from fastai.callback.fp16 import to_bf16  # noqa: F401
+from fastai.callback.training import GradientAccumulation
+from fastai.learner import Learner, load_learner
+from fastai.losses import CrossEntropyLossFlat
+from fastai.metrics import accuracy
+from fastai.optimizer import Adam
+from fastai.vision.learner import vision_learner
+
+from dali_fastai.all import *
+from dali_fastai.faststep import FastStep, FastOptimizer
+from dali_fastai.distributed import DaliCheckpoint
+from helpers import fmnist_path, fmnist_subset, index_loader, MAX_INDEX
+
+SIZE = 28
+
+
+def make_dls():
+    "200 Fashion-MNIST images (20 a class), split 160/40, bs 16: the same batches in the same order for each new one"
+    files,labels = fmnist_subset(20)
+    return DaliDataLoaders.from_lists(fmnist_path(), files, labels, valid_pct=0.2, seed=0, bs=16, size=SIZE, device='cpu')
+
+
+@pytest.fixture
+def dls(): return make_dls()
+
+
+def small_cnn(c=10):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, stride=2), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, stride=2), nn.BatchNorm2d(8),
+                         nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, c))
+
+
+def learner(dls, tmp_path, fast=True, cbs=()):
+    return Learner(dls, small_cnn(dls.c), loss_func=CrossEntropyLossFlat(), metrics=accuracy, path=tmp_path,
+                   cbs=[*cbs, *([FastStep()] if fast else [])])
+
+
+def quiet(learn): return learn.no_bar()
+
+
+def test_fit_records_what_fastai_records(dls, tmp_path):
+    "Same batches, same schedule: the recorded losses and accuracy agree with fastai's to float rounding"
+    a,b = learner(make_dls(), tmp_path, fast=False),learner(make_dls(), tmp_path)
+    for l in (a, b):
+        with quiet(l): l.fit_one_cycle(2, 1e-2)
+    assert type(b.opt) is FastOptimizer
+    for x,y in zip(a.recorder.values, b.recorder.values):
+        assert all(abs(float(u) - float(v)) < 1e-3 for u,v in zip(x, y)), (x, y)
+
+
+def test_lr_find_fine_tune_fit_flat_cos(dls, tmp_path):
+    learn = learner(dls, tmp_path)
+    with quiet(learn):
+        res = learn.lr_find(num_it=12, show_plot=False)
+        assert res.valley > 0
+        learn.fit_flat_cos(1, 1e-2)
+    assert len(learn.recorder.values) == 1
+    assert all(l.device.type == 'cpu' for l in learn.recorder.losses)
+
+
+def test_fine_tune_freezes_and_unfreezes_with_the_fused_step(dls, tmp_path):
+    "vision_learner's groups: the frozen body does not move in the frozen epoch; everything trains after unfreeze"
+    from torchvision.models import resnet18
+    learn = vision_learner(dls, resnet18, pretrained=False, metrics=accuracy, path=tmp_path, cbs=FastStep())
+    body = [p.detach().clone() for p in learn.model[0].parameters() if p.dim() > 1][:3]
+    with quiet(learn): learn.fine_tune(1, freeze_epochs=1)
+    assert type(learn.opt) is FastOptimizer and len(learn.opt.param_lists) == 3
+    assert len(learn.recorder.values) == 1  # the second fit's record
+    now = [p for p in learn.model[0].parameters() if p.dim() > 1][:3]
+    assert any(not torch.equal(a, b) for a,b in zip(body, now)), "the unfrozen body trained"
+    assert {len(h) for h in learn.opt.hypers} == {len(learn.opt.hypers[0])}
+
+
+def test_save_load_with_the_optimizer_interchangeable_with_fastais(dls, tmp_path):
+    a = learner(dls, tmp_path)
+    with quiet(a): a.fit(1, 1e-2)
+    a.save('fast')
+    b = learner(dls, tmp_path, fast=False)
+    b.load('fast')  # fastai's own Adam reads FastStep's optimizer state
+    assert type(b.opt).__name__ == 'Optimizer'
+    pa,pb = next(a.model.parameters()),next(b.model.parameters())
+    assert torch.equal(pa, pb)
+    assert torch.equal(a.opt.state_dict()['state'][0]['grad_avg'], b.opt.state[b.opt.param_lists[0][0]]['grad_avg'])
+    with quiet(b): b.fit(1, 1e-2)
+    b.save('slow')
+    c = learner(dls, tmp_path)
+    with quiet(c): c.fit(1, 1e-2)  # converts c.opt
+    c.load('slow')
+    assert type(c.opt) is FastOptimizer and c.opt.state_dict()['state'][0]['step'] == 2*len(dls.train)
+
+
+def test_get_preds_tta_show_results_export(dls, tmp_path):
+    learn = learner(dls, tmp_path)
+    with quiet(learn): learn.fit(1, 1e-2)
+    preds,targs = learn.get_preds()
+    assert preds.shape == (40, dls.c) and targs.shape == (40,)
+    with quiet(learn): tpreds,_ = learn.tta(n=2)
+    assert tpreds.shape == preds.shape
+    learn.show_results(max_n=2)
+    learn.export(tmp_path/'model.pkl')
+    again = load_learner(tmp_path/'model.pkl')
+    assert any(isinstance(cb, FastStep) for cb in again.cbs)
+    x = dls.valid.one_batch()[0][:1]
+    with torch.no_grad(): assert torch.allclose(again.model.eval()(x), learn.model.eval()(x), atol=1e-5)
+
+
+def test_gradient_accumulation_and_bf16(dls, tmp_path):
+    learn = learner(dls, tmp_path, cbs=[GradientAccumulation(n_acc=32)])
+    w = next(learn.model.parameters()).detach().clone()
+    with quiet(learn): learn.fit(1, 1e-2)
+    assert not torch.equal(w, next(learn.model.parameters()))
+    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
+        b = learner(dls, tmp_path).to_bf16()
+        with quiet(b): b.fit(1, 1e-2)
+
+
+def _ckpt_learner(files, path, *cbs, n=30, bs=4):
+    dls = DaliDataLoaders(index_loader(files[:n], bs, train=True, seed=1), index_loader(files[n:n+8], bs), path=path, device='cpu')
+    torch.manual_seed(0)
+    return Learner(dls, nn.Sequential(nn.Flatten(), nn.Linear(192, MAX_INDEX)), loss_func=CrossEntropyLossFlat(),
+                   cbs=[DaliCheckpoint(), FastStep(), *cbs])
+
+
+def test_dali_checkpoint_resume_ends_with_the_same_weights(files, tmp_path):
+    "Stopped after epoch 1's third batch and resumed from `learn.save`: the same weights as the uninterrupted fit"
+    from fastai.callback.core import Callback
+    class Stop(Callback):
+        def after_batch(self):
+            if self.training and self.epoch == 1 and self.iter == 2: self.learn.save('ckpt'); raise CancelFitException
+    a = _ckpt_learner(files, tmp_path)
+    with a.no_bar(), a.no_logging(): a.fit_one_cycle(3, 1e-2)
+    b = _ckpt_learner(files, tmp_path, Stop())
+    with b.no_bar(), b.no_logging(): b.fit_one_cycle(3, 1e-2)
+    c = _ckpt_learner(files, tmp_path)
+    c.load('ckpt')
+    with c.no_bar(), c.no_logging(): c.fit_one_cycle(3, 1e-2)
+    for p,q in zip(a.model.parameters(), c.model.parameters()): assert torch.allclose(p, q, atol=1e-6)
+
+
+def test_fastai_own_loaders(tmp_path):
+    "FastStep works with fastai's DataLoaders too"
+    from fastai.data.core import DataLoaders
+    xs = torch.randn(48, 3, 16, 16); ys = (xs.mean((1, 2, 3)) > 0).long()
+    ds = list(zip(xs, ys))
+    d = DataLoaders.from_dsets(ds[:32], ds[32:], bs=8)
+    learn = Learner(d, small_cnn(2), loss_func=CrossEntropyLossFlat(), metrics=accuracy, cbs=FastStep(), path=tmp_path)
+    with learn.no_bar(): learn.fit(2, 1e-2)
+    assert len(learn.recorder.values) == 2 and type(learn.opt) is FastOptimizer
