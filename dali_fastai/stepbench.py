@@ -7,7 +7,7 @@ Docs: https://dali-fastai.github.io/dali_fastai/stepbench.html.md"""
 # %% auto #0
 __all__ = ['FASTAI_ROWS', 'PlainLoop', 'syncs_per_batch', 'step_rows', 'step_bench', 'format_steps']
 
-# %% ../nbs/05b_stepbench.ipynb #58fdd8cf
+# %% ../nbs/05b_stepbench.ipynb #a21de342
 import contextlib, io, statistics, time, warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +19,7 @@ from .data import DaliDataLoaders
 from .bench import bench_images, machine_info, learner_throughput, throughput_learner
 from .faststep import FastStep
 
-# %% ../nbs/05b_stepbench.ipynb #18aff254
+# %% ../nbs/05b_stepbench.ipynb #fed27bfe
 def _endless(dl):
     while True: yield from dl
 
@@ -35,6 +35,7 @@ class PlainLoop:
                                      fused=True)
         self.loss_func,self.it = torch.nn.CrossEntropyLoss(),None
     def step(self, x, y):
+        x,y = x.as_subclass(torch.Tensor),y.as_subclass(torch.Tensor) # fastai's tensor types dispatch every op in Python
         with torch.autocast(self.device.type, dtype=torch.bfloat16): loss = self.loss_func(self.model(x), y)
         loss.backward()
         self.opt.step()
@@ -50,7 +51,7 @@ class PlainLoop:
         _sync(self.device)
         return n / (clock() - start)
 
-# %% ../nbs/05b_stepbench.ipynb #546e576e
+# %% ../nbs/05b_stepbench.ipynb #29e9ddb2
 def syncs_per_batch(learn, n:int=20)->float|None:
     "Host syncs a training batch of `learn.fit` makes, over `n` batches after the first (None off CUDA)"
     if not torch.cuda.is_available() or learn.dls.device.type != 'cuda': return None
@@ -63,7 +64,7 @@ def syncs_per_batch(learn, n:int=20)->float|None:
         finally: torch.cuda.set_sync_debug_mode(0)
     return len([x for x in w if 'synchroniz' in str(x.message)]) / (n + 1)
 
-# %% ../nbs/05b_stepbench.ipynb #452e9ac1
+# %% ../nbs/05b_stepbench.ipynb #ede69c69
 FASTAI_ROWS = {'fastai': lambda: [], 'FastStep': lambda: [FastStep()], 'FastStep graph': lambda: [FastStep(graph=True)]}
 
 def _fastai_rate(learn, n_batches, warmup, clock):
@@ -79,7 +80,7 @@ def step_rows(dls, # DataLoaders to train from
              )->dict: # row: images per second (medians), and 'syncs per batch': row: syncs
     "The plain loop and the three fastai rows for one model and batch size, their passes taken in turn"
     learners = {k: throughput_learner(dls, arch, c, cbs=cbs()) for k,cbs in FASTAI_ROWS.items()}
-    loop = PlainLoop(dls.train, arch, c, dls.device)
+    loop = PlainLoop(dls.train.new(), arch, c, dls.device) # its own loader: a DaliDataLoader runs one epoch at a time
     rates = {k: [] for k in ['plain loop', *learners]}
     for _ in range(passes):
         rates['plain loop'].append(loop.rate(n_batches, warmup, clock))
@@ -88,7 +89,7 @@ def step_rows(dls, # DataLoaders to train from
     res['syncs per batch'] = {k: syncs_per_batch(l) for k,l in learners.items()}
     return res
 
-# %% ../nbs/05b_stepbench.ipynb #195d0151
+# %% ../nbs/05b_stepbench.ipynb #919eb37e
 def step_bench(path:str|Path|None=None, # ImageNet-style folder; default: `bench_images()`
                archs:tuple=('resnet18', 'resnet50'), # torchvision models, untrained
                bss:tuple=(64, 256), # batch sizes; fastai's default is 64
@@ -107,7 +108,7 @@ def step_bench(path:str|Path|None=None, # ImageNet-style folder; default: `bench
     print(format_steps(res))
     return res
 
-# %% ../nbs/05b_stepbench.ipynb #c7c3d7f4
+# %% ../nbs/05b_stepbench.ipynb #9ea44e95
 def format_steps(res:dict)->str:
     "One line per model and batch size: images per second of each row, its share of the plain loop, syncs per batch"
     m = res['machine']

@@ -152,7 +152,7 @@ def test_fastai_own_loaders(tmp_path):
     from fastai.data.core import DataLoaders
     xs = torch.randn(48, 3, 16, 16); ys = (xs.mean((1, 2, 3)) > 0).long()
     ds = list(zip(xs, ys))
-    d = DataLoaders.from_dsets(ds[:32], ds[32:], bs=8)
+    d = DataLoaders.from_dsets(ds[:32], ds[32:], bs=8, device='cpu')
     learn = Learner(d, small_cnn(2), loss_func=CrossEntropyLossFlat(), metrics=accuracy, cbs=FastStep(), path=tmp_path)
     with learn.no_bar(): learn.fit(2, 1e-2)
     assert len(learn.recorder.values) == 2 and type(learn.opt) is FastOptimizer
