@@ -288,7 +288,7 @@ def bench(path:str|Path|None=None, # ImageNet-style folder; default: `bench_imag
           n_batches:int=30, warmup:int=5, passes:int=3, # timing: batches a pass, warm-up batches, passes (median)
           archs:tuple=('resnet18', 'resnet50'), # models for the training benchmark (GPU only; () to skip)
           fastai_loader:bool=True, # also time fastai's default loader
-          workers:int|None=None, # fastai's loader: worker processes; default: one per core
+          workers:int|None=None, # worker processes of fastai's loader (and of the peers' byte readers); default: one per core
           fastai_tfms:bool=True, # also time `fastai_aug_tfms` compiled into DALI, alone and with `RandomErasing` left to fastai
           peers:bool=False, # also time the peers (GPU decode + fastai's, Kornia's or torchvision's augmentations; see `peers`)
           out:str|Path|None='bench_results', # folder for results.json and bench.png; None: don't write
