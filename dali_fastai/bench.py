@@ -289,8 +289,9 @@ def bench(path:str|Path|None=None, # ImageNet-style folder; default: `bench_imag
           n_batches:int=30, warmup:int=5, passes:int=3, # timing: batches a pass, warm-up batches, passes (median)
           archs:tuple=('resnet18', 'resnet50'), # models for the training benchmark (GPU only; () to skip)
           fastai_loader:bool=True, # also time fastai's default loader
-          workers:int|None=None, # fastai's loader: worker processes; default: one per core
+          workers:int|None=None, # worker processes of fastai's loader (and of the peers' byte readers); default: one per core
           fastai_tfms:bool=True, # also time `fastai_aug_tfms` compiled into DALI, alone and with `RandomErasing` left to fastai
+          peers:bool=False, # also time the peers (GPU decode + fastai's, Kornia's or torchvision's augmentations; see `peers`)
           out:str|Path|None='bench_results', # folder for results.json and bench.png; None: don't write
           **dali_kwargs, # passed to `DaliDataLoaders.from_folder` (augmentation, dtype, num_threads, ...); all but the augmentation keywords to the compiled loaders too
          )->dict: # the results
@@ -319,6 +320,12 @@ def bench(path:str|Path|None=None, # ImageNet-style folder; default: `bench_imag
     time_it = lambda dl: loader_throughput(dl, device, n_batches, warmup, passes)
     fdls = fastai_default_dls(path, size, bs, device, workers) if fastai_loader else None
     if fdls: res['loader']['fastai default train'] = time_it(fdls.train)
+    if peers:
+        from dali_fastai.peers import peer_rows  # the peers are optional extras: imported only when asked for
+        items = dls.train.items
+        res['peers'] = peer_rows('classification', items.files, items.labels, size, bs, device, n_batches, warmup, passes,
+                                 workers, reference={'dali_fastai train': dls.train})
+        res['loader'].update({k: r['img_s'] for k,r in res['peers']['rows'].items() if k.endswith('(peer)')})
     if device.type == 'cuda':
         synth = SyntheticLoader(bs, size, dls.c, device)
         for arch in archs:
@@ -381,6 +388,9 @@ def format_results(res:dict)->str:
         lines.append(f"dali_fastai train: {_ratio(L['dali_fastai train'], base)} fastai default train{t}")
     summary = compiled_summary(res)
     if summary: lines += [''] + summary
+    if res.get('peers'):
+        from dali_fastai.peers import format_peers
+        lines += [''] + format_peers(res['peers'])
     for arch,r in res['training'].items():
         ceil = r['synthetic (ceiling)']
         lines += ['', f"training {arch:<15}{'img/s':>10}{'of ceiling':>12}"]
@@ -401,7 +411,9 @@ def save_results(res:dict, out:str|Path)->Path:
     return out
 
 # %% ../nbs/05_bench.ipynb #9cdd3d65
-def _colour(label): return 'tab:gray' if label.startswith('fastai') else 'tab:blue' if 'synthetic' in label else 'tab:green'
+def _colour(label):
+    if label.endswith('(peer)'): return 'tab:orange'
+    return 'tab:gray' if label.startswith('fastai') else 'tab:blue' if 'synthetic' in label else 'tab:green'
 
 def plot_results(res:dict):
     "A bar chart of the loader and training throughputs"

@@ -43,3 +43,28 @@ def test_settings_reach_the_compiled_loaders(path, monkeypatch):
     assert f"  {L[COMPILED]/L['dali_fastai train']:.2f}x dali_fastai train" in txt
     assert f"RandomErasing left to fastai: {L[LEFTOVER]/L[COMPILED]:.2f}x the compiled rate" in txt
     assert 'fastai default train' not in txt
+
+
+def test_peer_rows(path):
+    "`peers=True`: each peer's img/s joins the loader rows (table and plot), and its own table follows, with the peers that do not run"
+    txt,res = run(path, fastai_tfms=False, fastai_loader=False, peers=True, workers=0)
+    peers = ['gpu_fastai (peer)', 'kornia (peer)', 'torchvision_v2 (peer)']
+    assert list(res['loader'])[3:] == peers and all(res['loader'][k] > 0 for k in peers)
+    rows = res['peers']['rows']
+    assert list(rows) == ['dali_fastai train'] + peers
+    assert all(rows[k]['vs_dali_fastai'] == rows[k]['img_s']/rows['dali_fastai train']['img_s'] for k in peers)
+    assert 'peers, classification: 32px, bs 2, device cpu, files read by the main process' in txt
+    assert 'ffcv: not measured: ' in txt and 'fastxtend: not measured: ' in txt
+    from matplotlib.colors import to_rgba
+    assert [p.get_facecolor() for p in b.plot_results(res).axes[0].patches][:3] == [to_rgba('tab:orange')]*3  # bars drawn bottom-up
+
+
+def test_missing_peer(path, monkeypatch):
+    "A peer whose package is missing is a line naming the extra, not a row"
+    import importlib.util
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, 'find_spec', lambda name, *a: None if name == 'kornia' else find(name, *a))
+    txt,res = run(path, fastai_tfms=False, fastai_loader=False, peers=True, workers=0)
+    assert 'kornia (peer)' not in res['loader'] and 'torchvision_v2 (peer)' in res['loader']
+    assert res['peers']['skipped'] == {'kornia': "kornia: skipped, `kornia` is not installed (pip install 'dali-fastai[bench]')"}
+    assert "kornia: skipped, `kornia` is not installed (pip install 'dali-fastai[bench]')" in txt
