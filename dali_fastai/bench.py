@@ -47,6 +47,7 @@ from .annotations import read_coco
 from .detection import small_detector, detection_learner
 from .scenes import fashion_scenes
 from .masks import prepare_masks
+from .faststep import FastStep
 
 # %% ../nbs/05_bench.ipynb #ada45b6d
 BENCH_PHOTOS = ('astronaut', 'chelsea', 'coffee', 'rocket', 'hubble_deep_field', 'immunohistochemistry', 'retina',
@@ -600,14 +601,14 @@ def format_scale(rows:list)->str:
     return '\n'.join(lines)
 
 # %% ../nbs/05_bench.ipynb #c27c8eaa
-def _timed_fit(make_dls, arch:str, epochs:int, lr:float, seed:int, amp:bool)->dict:
+def _timed_fit(make_dls, arch:str, epochs:int, lr:float, seed:int, amp:bool, cbs:list=())->dict:
     "Seconds from making the loaders to the end of the last epoch, and the final validation accuracy, of one run"
     from fastai.metrics import accuracy
     from fastai.torch_core import set_seed
     start = time.perf_counter()
     set_seed(seed, reproducible=False)
     dls = make_dls()
-    learn = vision_learner(dls, getattr(torchvision.models, arch), pretrained=False, metrics=accuracy)
+    learn = vision_learner(dls, getattr(torchvision.models, arch), pretrained=False, metrics=accuracy, cbs=list(cbs))
     if amp: learn.to_channelslast(use_amp=True, amp_mode=AMPMode('bf16'))
     with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(epochs, lr)
     res = dict(seconds=time.perf_counter() - start, accuracy=float(learn.recorder.values[-1][-1]))
@@ -621,24 +622,31 @@ def time_to_accuracy(path:str|Path|None=None, # ImageNet-style folder; default: 
                      device:str|None=None, # 'cpu' or 'gpu'; default: the GPU if visible
                      workers:int|None=None, # fastai's worker processes; default: one per core
                      seed:int=0,
+                     fast_step:bool=True, # also train with `FastStep()` (and, on CUDA, `FastStep(graph=True)`)
                     )->dict: # the results
     "Train `arch` with fastai's default loaders and with dali_fastai's, same transforms and schedule: wall time and final accuracy of each; print them"
     device = as_device(device)
     path = bench_images(n_per_class=2000) if path is None else Path(path)
-    runs = {'fastai': lambda: fastai_default_dls(path, size, bs, device, workers), 'dali_fastai': lambda: aug_transforms_dls(path, size, bs, device)}
+    fastai_dls,dali_dls = lambda: fastai_default_dls(path, size, bs, device, workers),lambda: aug_transforms_dls(path, size, bs, device)
+    runs = {'fastai': (fastai_dls, []), 'dali_fastai': (dali_dls, [])}
+    if fast_step: runs['dali_fastai + FastStep'] = (dali_dls, [FastStep()])
+    if fast_step and device.type == 'cuda': runs['dali_fastai + FastStep(graph=True)'] = (dali_dls, [FastStep(graph=True)])
     res = dict(machine=machine_info(device), settings=dict(path=str(path), arch=arch, epochs=epochs, lr=lr, size=size, bs=bs,
-               device=str(device), seed=seed), runs={k: _timed_fit(make, arch, epochs, lr, seed, device.type == 'cuda') for k,make in runs.items()})
+               device=str(device), seed=seed),
+               runs={k: _timed_fit(make, arch, epochs, lr, seed, device.type == 'cuda', cbs) for k,(make,cbs) in runs.items()})
     print(format_accuracy(res))
     return res
 
 def format_accuracy(res:dict)->str:
-    "The two runs as lines: wall time, accuracy, and dali_fastai's speed-up at (or off) equal accuracy"
+    "The runs as lines: wall time, accuracy, and each dali_fastai run's speed-up at (or off) equal accuracy"
     s,r = res['settings'],res['runs']
     lines = [f"{s['arch']} from scratch, {s['epochs']} epochs, one cycle at lr {s['lr']:g}, {s['size']}px, bs {s['bs']}, device {s['device']}"]
-    lines += [f"{k:<12}{v['seconds']:>8.1f} s   accuracy {v['accuracy']:.4f}" for k,v in r.items()]
-    gap = abs(r['dali_fastai']['accuracy'] - r['fastai']['accuracy'])
-    lines.append(f"dali_fastai {_ratio(r['fastai']['seconds'], r['dali_fastai']['seconds'])} faster end to end, accuracy "
-                 f"{'within' if gap <= 0.01 else 'NOT within'} 1 point of fastai's ({100*gap:.1f} points apart)")
+    lines += [f"{k:<36}{v['seconds']:>8.1f} s   accuracy {v['accuracy']:.4f}" for k,v in r.items()]
+    for k,v in r.items():
+        if k == 'fastai': continue
+        gap = abs(v['accuracy'] - r['fastai']['accuracy'])
+        lines.append(f"{k} {_ratio(r['fastai']['seconds'], v['seconds'])} faster end to end, accuracy "
+                     f"{'within' if gap <= 0.01 else 'NOT within'} 1 point of fastai's ({100*gap:.1f} points apart)")
     return '\n'.join(lines)
 
 # %% ../nbs/05_bench.ipynb #f1f9cc94
