@@ -130,13 +130,21 @@ def _store(folder, files:list, results:list):
         path = _cache_file(folder, d)
         _save(path, {**_load(path), **{os.path.basename(files[results[k][0]]): [*results[k][1], results[k][2]] for k in idx}})
 
-def _map_waiting(f, tasks, workers:int)->list:
-    "`[f(t) for t in tasks]`: in this thread while `f` keeps it busy (threads would only take turns holding the GIL), in `workers` threads once it mostly waits (a cold disk, a network file system)"
-    res,rest,wall,cpu = [],iter(tasks),time.perf_counter(),time.process_time()
+def _mostly_waits(wall:float, # seconds the work took
+                  cpu:float,  # seconds of this process's CPU time it took
+                 )->bool:     # whether the work mostly waited, so threads would pay
+    "Whether work that took `wall` seconds and `cpu` seconds of CPU mostly waited (a cold disk, a network file system)"
+    return wall > 0.05 and cpu < wall/2
+
+def _map_waiting(f, tasks, workers:int,
+                 clock=time.perf_counter,   # wall-clock seconds, as a float
+                 cpu_clock=time.process_time, # this process's CPU seconds, as a float
+                )->list:
+    "`[f(t) for t in tasks]`: in this thread while `f` keeps it busy (threads would only take turns holding the GIL), in `workers` threads once it mostly waits"
+    res,rest,wall,cpu = [],iter(tasks),clock(),cpu_clock()
     for t in rest:
         res.append(f(t))
-        spent = time.perf_counter() - wall
-        if spent > 0.05 and time.process_time() - cpu < spent/2:
+        if _mostly_waits(clock() - wall, cpu_clock() - cpu):
             with ThreadPoolExecutor(workers) as ex: res += ex.map(f, rest)
             break
     return res
