@@ -278,9 +278,6 @@ class DaliDataLoaders(DataLoaders):
         if len(train_dl) == 0:
             raise ValueError(f"bs={bs} is larger than the {len(train)} training images, and training drops the last "
                              "partial batch: use a smaller bs")
-        if valid_dl.bs > len(valid):
-            raise ValueError(f"val_bs={valid_dl.bs} is larger than the {len(valid)} validation images, so no validation batch "
-                             f"would be full: pass val_bs={len(valid)} (or less), or hold out more images for validation")
         return cls(train_dl, valid_dl, path=path, device=train_dl.device)
 
     @classmethod

@@ -12,6 +12,7 @@ from fastai.vision.all import (DataBlock, ImageBlock, MaskBlock, FuncSplitter, R
                                FlipItem, DihedralItem, Flip, Dihedral, Rotate, Zoom, Warp, Brightness, aug_transforms,
                                SegmentationDataLoaders, TensorMask, Learner, load_learner, foreground_acc, DiceMulti)
 from fastai.vision.learner import get_c
+from fastai.callback.core import Callback
 from PIL import Image
 
 from dali_fastai.data import DaliDataLoaders
@@ -234,3 +235,27 @@ def test_sharded_loaders_keep_masks_with_their_images(scenes):
     for rank in range(2):
         dl = dls.train.new(); dl.shard(rank, 2)
         assert agreement_of(dl) >= 0.99
+
+
+def test_small_validation_set_trains_and_validates_every_image(tmp_path):
+    "30 images, valid_pct=0.2, bs=8: fastai validates its 6 images in one partial batch; so do we, through `fit`"
+    (tmp_path/'images').mkdir(); (tmp_path/'labels').mkdir()
+    for i in range(30):
+        img,mask = scene(i)
+        Image.fromarray(img).save(tmp_path/'images'/f'{i:02d}.png'); Image.fromarray(mask).save(tmp_path/'labels'/f'{i:02d}.png')
+    files = sorted((tmp_path/'images').glob('*.png'))
+    kw = dict(valid_pct=0.2, seed=0, codes=CODES, item_tfms=Resize(32), bs=8)
+    ours = DaliDataLoaders.from_label_func(tmp_path, files, label_func(tmp_path), device=DEVICE, **kw)
+    theirs = SegmentationDataLoaders.from_label_func(tmp_path, files, label_func(tmp_path), num_workers=0, **kw)
+    assert (len(ours.train), len(ours.valid)) == (len(theirs.train), len(theirs.valid)) == (3, 1)
+    assert [len(y) for _,y in ours.valid] == [len(y) for _,y in theirs.valid] == [6]
+    ys = []
+    class KeepValidTargets(Callback):
+        def after_batch(self):
+            if not self.training: ys.append(self.yb[0].cpu())
+    learn = Learner(ours, pixel_net(ours.c), cbs=KeepValidTargets(), path=tmp_path)
+    learn.fit(1)
+    assert [len(y) for y in ys] == [6] and np.isfinite(learn.recorder.values[0][1])  # validated: one batch, a loss
+    # every validation image once, in fastai's order: the masks are fastai's (grayscale masks, Resize: nearest for both)
+    assert [str(f) for f in ours.valid.items.files] == [str(f) for f in theirs.valid_ds.items]
+    assert (ys[0] == torch.cat([y for _,y in theirs.valid]).cpu()).float().mean() > 0.99
