@@ -179,15 +179,20 @@ def test_bad_masks_are_named(scenes, tmp_path):
     msg = str(e.value)
     assert '3 bad mask(s)' in msg and 'train_01.png: the mask is 128×50 but its image' in msg
     assert 'valid_02.png: file does not exist' in msg and 'valid_03.png: file does not exist' in msg
-    # a mask value that is not a code: found as DALI decodes it, with the mask's name
+    # a mask value that is not a code: found when the loaders are made, before any pipeline, with the mask's name
     Image.fromarray(scene(1)[1]).save(tmp_path/'labels'/'train_01.png')
     Image.fromarray(scene(3)[1]).save(tmp_path/'labels'/'valid_03.png')
     Image.fromarray(scene(2)[1]).save(tmp_path/'labels'/'valid_02.png')
     bad = scene(0)[1]; bad[0, 0] = 9
     Image.fromarray(bad).save(tmp_path/'labels'/'train_00.png')
-    dls = loaders(tmp_path, [Resize(64)], bs=2)
-    with pytest.raises(ValueError, match=r"mask .*train_00.png has value 9, but there are 4 codes \(0 to 3\)"): dls.train.one_batch()
+    with pytest.raises(ValueError, match=r"1 bad mask\(s\): \S*train_00.png: has value 9, but there are 4 codes \(0 to 3\)\. "
+                                         r".*or pass void_code=9"):
+        loaders(tmp_path, [Resize(64)], bs=2)
     assert loaders(tmp_path, [Resize(64)], bs=2, void_code=9).train.one_batch()[1].shape == (2, 64, 64)
+    # a mask changed into a bad one after the loaders were made: DALI's decode still names it
+    dls = loaders(tmp_path, [Resize(64)], bs=2, void_code=9)
+    bad[0, 0] = 7; Image.fromarray(bad).save(tmp_path/'labels'/'train_00.png')
+    with pytest.raises(ValueError, match=r"mask .*train_00.png has value 7, but there are 4 codes \(0 to 3\)"): dls.train.one_batch()
     # a JPEG mask is refused: its values are not codes
     (tmp_path/'labels'/'valid_02.jpg').replace(tmp_path/'labels'/'valid_02.png')
     with pytest.raises(ValueError, match=r"valid_02.png: a JPEG mask"): loaders(tmp_path, [Resize(64)])
@@ -259,3 +264,24 @@ def test_small_validation_set_trains_and_validates_every_image(tmp_path):
     # every validation image once, in fastai's order: the masks are fastai's (grayscale masks, Resize: nearest for both)
     assert [str(f) for f in ours.valid.items.files] == [str(f) for f in theirs.valid_ds.items]
     assert (ys[0] == torch.cat([y for _,y in theirs.valid]).cpu()).float().mean() > 0.99
+
+
+def test_mask_values_are_read_once_with_progress_on_large_sets(tmp_path, monkeypatch, capsys):
+    "Over 2000 masks show a progress bar on a terminal; each mask is decoded once, then its values come from the cache"
+    import io, sys
+    import dali_fastai.masks as masks
+    monkeypatch.setattr(masks, 'cache_dir', lambda: tmp_path/'cache')
+    Image.fromarray(np.zeros((2, 3, 3), np.uint8)).save(tmp_path/'img.png')
+    files = [tmp_path/f'{i}.png' for i in range(2001)]
+    for i,f in enumerate(files): Image.fromarray(np.full((2, 3), i % 3, np.uint8)).save(f)
+    class Terminal(io.StringIO):
+        def isatty(self): return True
+    monkeypatch.setattr(sys, 'stdout', Terminal())
+    ready = masks.prepare_masks(files, [tmp_path/'img.png']*len(files))  # a progress bar over a list of futures
+    assert masks.mask_values(ready) == [[i % 3] for i in range(len(files))]
+    assert sys.stdout.getvalue().count('2001/2001') == 1 and sys.stdout.getvalue().count('32/32') == 1  # masks, then chunks
+    decoded = []
+    monkeypatch.setattr(masks, '_values', lambda f: decoded.append(f) or [0])
+    assert masks.mask_values(ready)[:3] == [[0], [1], [2]] and decoded == []
+    Image.fromarray(np.full((2, 3), 2, np.uint8)).save(files[0])
+    assert masks.mask_values(ready)[0] == [0] and decoded == [str(files[0])]  # a mask that changed is decoded again
