@@ -274,13 +274,13 @@ def test_pickle_dataloaders_mid_epoch(files):
 def test_bad_bs_and_size(files):
     items = index_items(files[:5])
     for bs in (0, -1):
-        with pytest.raises(ValueError, match='bs must be at least 1'): DaliDataLoader(items, bs=bs, device='cpu')
+        with pytest.raises(ValueError, match='bs must be an int of at least 1'): DaliDataLoader(items, bs=bs, device='cpu')
     for size in (0, -4):
-        with pytest.raises(ValueError, match='size must be a positive'):
+        with pytest.raises(ValueError, match='size must be an int or'):
             DaliDataLoader(items, bs=2, size=size, device='cpu')
-    with pytest.raises(ValueError, match='bs must be at least 1'):
+    with pytest.raises(ValueError, match='bs must be an int of at least 1'):
         DaliDataLoaders.from_splits('.', files[:4], [0, 1, 0, 1], files[4:6], [0, 1], bs=0, size=8, device='cpu')
-    with pytest.raises(ValueError, match='size must be a positive'):
+    with pytest.raises(ValueError, match='size must be an int or'):
         DaliDataLoaders.from_splits('.', files[:4], [0, 1, 0, 1], files[4:6], [0, 1], bs=2, size=0, device='cpu')
 
 
