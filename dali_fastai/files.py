@@ -6,7 +6,7 @@ Docs: https://dali-fastai.github.io/dali_fastai/files.html.md"""
 
 # %% auto #0
 __all__ = ['SIGNATURES', 'UNSUPPORTED', 'DECODABLE', 'image_format', 'check_image', 'decode_image', 'cache_dir', 'check_images',
-           'describe_bad', 'bad_files_message']
+           'cached_file_values', 'describe_bad', 'bad_files_message']
 
 # %% ../nbs/02a_files.ipynb #37e69e0b
 import hashlib, json, os, tempfile, time, warnings
@@ -105,24 +105,21 @@ def _folders(files:list)->dict:
     for d,idx in by_text.items(): res.setdefault(os.path.abspath(d), []).extend(idx)
     return res
 
-def _cached_verdicts(files:list, idx:list, saved:dict)->tuple:
-    "One folder's files `idx`: (`(index, reason)` of the bad ones `saved` knows, `(index, stat key)` of those to check)"
+def _cached_verdicts(files:list, idx:list, saved:dict, keep=lambda v: v is not None)->tuple:
+    "One folder's files `idx`: (`(index, value)` of those `saved` knows whose value `keep` keeps, `(index, stat key)` of those to compute)"
     bad,todo = [],[]
     for i in idx:
         key,hit = _stat_key(files[i]),saved.get(os.path.basename(files[i]))
         if key is not None and hit is not None and hit[:2] == key:
-            if hit[2] is not None: bad.append((i, hit[2]))
+            if keep(hit[2]): bad.append((i, hit[2]))
         else: todo.append((i, key))
     return bad,todo
 
-def _check_chunk(files:list, todo:list, full:bool)->list:
-    "`(index, stat key, reason)` for each `(index, stat key)` of `todo`, the file checked now"
-    res = []
-    for i,key in todo:
-        reason = check_image(files[i])
-        if reason is None and full: reason = decode_image(files[i])
-        res.append((i, key, reason))
-    return res
+def _full_check(f)->str|None: return check_image(f) or decode_image(f)
+
+def _check_chunk(files:list, todo:list, check)->list:
+    "`(index, stat key, check(file))` for each `(index, stat key)` of `todo`, the file checked now"
+    return [(i, key, check(files[i])) for i,key in todo]
 
 def _store(folder, files:list, results:list):
     "Add `(index, stat key, reason)` verdicts to the cache of each file's folder"
@@ -130,13 +127,21 @@ def _store(folder, files:list, results:list):
         path = _cache_file(folder, d)
         _save(path, {**_load(path), **{os.path.basename(files[results[k][0]]): [*results[k][1], results[k][2]] for k in idx}})
 
-def _map_waiting(f, tasks, workers:int)->list:
-    "`[f(t) for t in tasks]`: in this thread while `f` keeps it busy (threads would only take turns holding the GIL), in `workers` threads once it mostly waits (a cold disk, a network file system)"
-    res,rest,wall,cpu = [],iter(tasks),time.perf_counter(),time.process_time()
+def _mostly_waits(wall:float, # seconds the work took
+                  cpu:float,  # seconds of this process's CPU time it took
+                 )->bool:     # whether the work mostly waited, so threads would pay
+    "Whether work that took `wall` seconds and `cpu` seconds of CPU mostly waited (a cold disk, a network file system)"
+    return wall > 0.05 and cpu < wall/2
+
+def _map_waiting(f, tasks, workers:int,
+                 clock=time.perf_counter,   # wall-clock seconds, as a float
+                 cpu_clock=time.process_time, # this process's CPU seconds, as a float
+                )->list:
+    "`[f(t) for t in tasks]`: in this thread while `f` keeps it busy (threads would only take turns holding the GIL), in `workers` threads once it mostly waits"
+    res,rest,wall,cpu = [],iter(tasks),clock(),cpu_clock()
     for t in rest:
         res.append(f(t))
-        spent = time.perf_counter() - wall
-        if spent > 0.05 and time.process_time() - cpu < spent/2:
+        if _mostly_waits(clock() - wall, cpu_clock() - cpu):
             with ThreadPoolExecutor(workers) as ex: res += ex.map(f, rest)
             break
     return res
@@ -155,9 +160,31 @@ def check_images(files:list, # image paths
     bad,todo,groups = [],[],_folders(files)
     for b,t in _map_waiting(lambda d: _cached_verdicts(files, groups[d], saved(d)), groups, workers): bad += b; todo += t
     chunks = [todo[k:k+512] for k in range(0, len(todo), 512)]  # only the bad files and the new ones were kept
-    checked = [r for c in _map_waiting(lambda c: _check_chunk(files, c, full), chunks, workers) for r in c]
+    check = _full_check if full else check_image
+    checked = [r for c in _map_waiting(lambda c: _check_chunk(files, c, check), chunks, workers) for r in c]
     if folder is not None: _store(folder, files, [r for r in checked if r[1] is not None])
     return [(files[i], reason) for i,reason in sorted(bad + [(i, r) for i,_,r in checked if r is not None])]
+
+# %% ../nbs/02a_files.ipynb #57f15e23
+def cached_file_values(files:list, # paths
+                       compute, # file → a JSON value (a number, a string, a list...)
+                       folder:Path, # the cache's folder, one for each kind of value
+                       workers:int|None=None, # threads; default: one per core
+                       progress=iter, # wraps the list of futures of the chunks being computed: a progress bar
+                      )->list: # `compute(f)` for each file, in order
+    "`[compute(f) for f in files]`, each value cached in `folder` by the file's path, size and mtime: computed once per version of a file"
+    files = [f if type(f) is str else str(f) for f in files]
+    res,todo = [None]*len(files),[]
+    for d,idx in _folders(files).items():
+        known,t = _cached_verdicts(files, idx, _load(_cache_file(folder, d)), keep=lambda v: True)
+        for i,v in known: res[i] = v
+        todo += t
+    chunks = [todo[k:k+64] for k in range(0, len(todo), 64)]
+    with ThreadPoolExecutor(workers or os.cpu_count() or 1) as ex:
+        done = [r for fut in progress([ex.submit(_check_chunk, files, c, compute) for c in chunks]) for r in fut.result()]
+    for i,_,v in done: res[i] = v
+    _store(folder, files, [r for r in done if r[1] is not None])
+    return res
 
 # %% ../nbs/02a_files.ipynb #23f7f961
 def describe_bad(bad:list, # `(file, reason)` pairs from `check_images`

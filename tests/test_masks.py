@@ -12,6 +12,7 @@ from fastai.vision.all import (DataBlock, ImageBlock, MaskBlock, FuncSplitter, R
                                FlipItem, DihedralItem, Flip, Dihedral, Rotate, Zoom, Warp, Brightness, aug_transforms,
                                SegmentationDataLoaders, TensorMask, Learner, load_learner, foreground_acc, DiceMulti)
 from fastai.vision.learner import get_c
+from fastai.callback.core import Callback
 from PIL import Image
 
 from dali_fastai.data import DaliDataLoaders
@@ -178,15 +179,20 @@ def test_bad_masks_are_named(scenes, tmp_path):
     msg = str(e.value)
     assert '3 bad mask(s)' in msg and 'train_01.png: the mask is 128×50 but its image' in msg
     assert 'valid_02.png: file does not exist' in msg and 'valid_03.png: file does not exist' in msg
-    # a mask value that is not a code: found as DALI decodes it, with the mask's name
+    # a mask value that is not a code: found when the loaders are made, before any pipeline, with the mask's name
     Image.fromarray(scene(1)[1]).save(tmp_path/'labels'/'train_01.png')
     Image.fromarray(scene(3)[1]).save(tmp_path/'labels'/'valid_03.png')
     Image.fromarray(scene(2)[1]).save(tmp_path/'labels'/'valid_02.png')
     bad = scene(0)[1]; bad[0, 0] = 9
     Image.fromarray(bad).save(tmp_path/'labels'/'train_00.png')
-    dls = loaders(tmp_path, [Resize(64)], bs=2)
-    with pytest.raises(ValueError, match=r"mask .*train_00.png has value 9, but there are 4 codes \(0 to 3\)"): dls.train.one_batch()
+    with pytest.raises(ValueError, match=r"1 bad mask\(s\): \S*train_00.png: has value 9, but there are 4 codes \(0 to 3\)\. "
+                                         r".*or pass void_code=9"):
+        loaders(tmp_path, [Resize(64)], bs=2)
     assert loaders(tmp_path, [Resize(64)], bs=2, void_code=9).train.one_batch()[1].shape == (2, 64, 64)
+    # a mask changed into a bad one after the loaders were made: DALI's decode still names it
+    dls = loaders(tmp_path, [Resize(64)], bs=2, void_code=9)
+    bad[0, 0] = 7; Image.fromarray(bad).save(tmp_path/'labels'/'train_00.png')
+    with pytest.raises(ValueError, match=r"mask .*train_00.png has value 7, but there are 4 codes \(0 to 3\)"): dls.train.one_batch()
     # a JPEG mask is refused: its values are not codes
     (tmp_path/'labels'/'valid_02.jpg').replace(tmp_path/'labels'/'valid_02.png')
     with pytest.raises(ValueError, match=r"valid_02.png: a JPEG mask"): loaders(tmp_path, [Resize(64)])
@@ -234,3 +240,48 @@ def test_sharded_loaders_keep_masks_with_their_images(scenes):
     for rank in range(2):
         dl = dls.train.new(); dl.shard(rank, 2)
         assert agreement_of(dl) >= 0.99
+
+
+def test_small_validation_set_trains_and_validates_every_image(tmp_path):
+    "30 images, valid_pct=0.2, bs=8: fastai validates its 6 images in one partial batch; so do we, through `fit`"
+    (tmp_path/'images').mkdir(); (tmp_path/'labels').mkdir()
+    for i in range(30):
+        img,mask = scene(i)
+        Image.fromarray(img).save(tmp_path/'images'/f'{i:02d}.png'); Image.fromarray(mask).save(tmp_path/'labels'/f'{i:02d}.png')
+    files = sorted((tmp_path/'images').glob('*.png'))
+    kw = dict(valid_pct=0.2, seed=0, codes=CODES, item_tfms=Resize(32), bs=8)
+    ours = DaliDataLoaders.from_label_func(tmp_path, files, label_func(tmp_path), device=DEVICE, **kw)
+    theirs = SegmentationDataLoaders.from_label_func(tmp_path, files, label_func(tmp_path), num_workers=0, **kw)
+    assert (len(ours.train), len(ours.valid)) == (len(theirs.train), len(theirs.valid)) == (3, 1)
+    assert [len(y) for _,y in ours.valid] == [len(y) for _,y in theirs.valid] == [6]
+    ys = []
+    class KeepValidTargets(Callback):
+        def after_batch(self):
+            if not self.training: ys.append(self.yb[0].cpu())
+    learn = Learner(ours, pixel_net(ours.c), cbs=KeepValidTargets(), path=tmp_path)
+    learn.fit(1)
+    assert [len(y) for y in ys] == [6] and np.isfinite(learn.recorder.values[0][1])  # validated: one batch, a loss
+    # every validation image once, in fastai's order: the masks are fastai's (grayscale masks, Resize: nearest for both)
+    assert [str(f) for f in ours.valid.items.files] == [str(f) for f in theirs.valid_ds.items]
+    assert (ys[0] == torch.cat([y for _,y in theirs.valid]).cpu()).float().mean() > 0.99
+
+
+def test_mask_values_are_read_once_with_progress_on_large_sets(tmp_path, monkeypatch, capsys):
+    "Over 2000 masks show a progress bar on a terminal; each mask is decoded once, then its values come from the cache"
+    import io, sys
+    import dali_fastai.masks as masks
+    monkeypatch.setattr(masks, 'cache_dir', lambda: tmp_path/'cache')
+    Image.fromarray(np.zeros((2, 3, 3), np.uint8)).save(tmp_path/'img.png')
+    files = [tmp_path/f'{i}.png' for i in range(2001)]
+    for i,f in enumerate(files): Image.fromarray(np.full((2, 3), i % 3, np.uint8)).save(f)
+    class Terminal(io.StringIO):
+        def isatty(self): return True
+    monkeypatch.setattr(sys, 'stdout', Terminal())
+    ready = masks.prepare_masks(files, [tmp_path/'img.png']*len(files))  # a progress bar over a list of futures
+    assert masks.mask_values(ready) == [[i % 3] for i in range(len(files))]
+    assert sys.stdout.getvalue().count('2001/2001') == 1 and sys.stdout.getvalue().count('32/32') == 1  # masks, then chunks
+    decoded = []
+    monkeypatch.setattr(masks, '_values', lambda f: decoded.append(f) or [0])
+    assert masks.mask_values(ready)[:3] == [[0], [1], [2]] and decoded == []
+    Image.fromarray(np.full((2, 3), 2, np.uint8)).save(files[0])
+    assert masks.mask_values(ready)[0] == [0] and decoded == [str(files[0])]  # a mask that changed is decoded again
