@@ -8,26 +8,54 @@ Docs: https://dali-fastai.github.io/dali_fastai/all.html.md"""
 __all__ = []
 
 # %% ../nbs/07_all.ipynb #29604fd2
-from .augment import synthetic_warps
-from .pipeline import train_pipeline, valid_pipeline, IMAGENET_MEAN, IMAGENET_STD
-from .files import check_images
-from .translate import RandomBoxCrop
-from .loader import n_batches, DaliNormalize, Target, ImageItems, DaliDataLoader
-from .targets import BoxTarget, BoxLabelTarget, PointTarget
-from .masks import MaskTarget, prepare_masks
-from .shards import write_shards, folder_shards, dblock_shards, check_shards
-from .data import DaliDataLoaders
-from .callbacks import UnpackDaliBatch, ClampSchedPos, DaliResetCallback, restart_epoch
-from .distributed import DaliDistributed, DaliCheckpoint
-from .datasets import fashion_mnist, fashion_mnist_df, FASHION_MNIST_CLASSES
-from .scenes import fashion_scenes, SCENE_CODES
-from .detection import small_detector, detection_learner, DetectionMAP
-from .bench import bench, bench_images
+import warnings
+with warnings.catch_warnings():
+    # fastai's first import runs torch.jit.script (fastai.layers), which the torch the Makefile pins calls deprecated: a
+    # FutureWarning from fastai that a user of this module cannot act on, filtered (by its message) around these imports only
+    warnings.filterwarnings('ignore', message=r'`torch\.jit\.script` is deprecated', category=FutureWarning)
+    from dali_fastai.augment import (warp_matrix, synthetic_warps, rotation_matrix, compose_matrices,
+        random_warps_node, affine_steps, subset_product_node)
+    from dali_fastai.draws import fastai_rng, HostDraws
+    from dali_fastai.colour import COLOUR_TFMS, neg_logit, power_form, colour_unsupported, lighting_draws, colour_node
+    from dali_fastai.pipeline import (HW_DECODER_HINT, IMAGENET_MEAN, IMAGENET_STD, read_files, decoder_args,
+        decode_random_crop, decode_center_crop, augment_steps, train_pipeline, valid_pipeline)
+    from dali_fastai.files import check_image, cache_dir, check_images
+    from dali_fastai.translate import (RandomBoxCrop, GeometryStep, ImageRecipe, fastai_recipe, keyword_recipe,
+        geometry_outputs)
+    from dali_fastai.annotations import ImageBoxes, read_coco, read_voc, to_fastai, from_fastai
+    from dali_fastai.loader import (FULL_CHECK_LIMIT, n_batches, batches_per_rank, priority_stream, DaliNormalize,
+        Target, ImageItems, DaliEpoch, PipelineSource, DaliDataLoader)
+    from dali_fastai.targets import BoxTarget, BoxLabelTarget, PointTarget
+    from dali_fastai.masks import prepare_masks, MaskTarget
+    from dali_fastai.shards import (shard_index, write_shards, folder_shards, check_shards, parse_label, ShardItems,
+        tfrecord_index, dblock_shards)
+    from dali_fastai.data import label_targets, dblock_items, DaliDataLoaders
+    from dali_fastai.callbacks import UnpackDaliBatch, ClampSchedPos, restart_epoch, DaliResetCallback
+    from dali_fastai.distributed import DaliDistributed, DaliCheckpoint
+    from dali_fastai.datasets import FASHION_MNIST_CLASSES, fashion_mnist_df, write_once, fashion_mnist
+    from dali_fastai.scenes import SCENE_CODES, fashion_scenes
+    from dali_fastai.detection import (small_detector, padded_detections, DetectionAdapter, detection_loss,
+        DetectionLoss, DetectionTargets, DetectionMAP, DetectionLearner, detection_learner)
+    from dali_fastai.bench import (bench_images, side_by_side, Throughput, training_throughput, fastai_aug_tfms,
+        fastai_default_dls, clock_slowdowns, aug_transforms_dls, bench, format_results, task_bench, detection_bench,
+        segmentation_bench, scale_bench, time_to_accuracy, shards_bench)
 
 # %% ../nbs/07_all.ipynb #f745ce07
-__all__ = ['synthetic_warps', 'train_pipeline', 'valid_pipeline', 'IMAGENET_MEAN', 'IMAGENET_STD', 'check_images', 'RandomBoxCrop',
-           'n_batches', 'DaliNormalize', 'Target', 'ImageItems', 'DaliDataLoader', 'BoxTarget', 'BoxLabelTarget', 'PointTarget',
-           'MaskTarget', 'prepare_masks', 'write_shards', 'folder_shards', 'dblock_shards', 'check_shards', 'DaliDataLoaders',
-           'UnpackDaliBatch', 'ClampSchedPos', 'DaliResetCallback', 'restart_epoch', 'DaliDistributed', 'DaliCheckpoint',
-           'fashion_mnist', 'fashion_mnist_df', 'FASHION_MNIST_CLASSES', 'fashion_scenes', 'SCENE_CODES', 'small_detector',
-           'detection_learner', 'DetectionMAP', 'bench', 'bench_images']
+__all__ = ['warp_matrix', 'synthetic_warps', 'rotation_matrix', 'compose_matrices', 'random_warps_node',
+           'affine_steps', 'subset_product_node', 'fastai_rng', 'HostDraws', 'COLOUR_TFMS', 'neg_logit',
+           'power_form', 'colour_unsupported', 'lighting_draws', 'colour_node', 'HW_DECODER_HINT', 'IMAGENET_MEAN',
+           'IMAGENET_STD', 'read_files', 'decoder_args', 'decode_random_crop', 'decode_center_crop', 'augment_steps',
+           'train_pipeline', 'valid_pipeline', 'check_image', 'cache_dir', 'check_images', 'RandomBoxCrop',
+           'GeometryStep', 'ImageRecipe', 'fastai_recipe', 'keyword_recipe', 'geometry_outputs', 'ImageBoxes',
+           'read_coco', 'read_voc', 'to_fastai', 'from_fastai', 'FULL_CHECK_LIMIT', 'n_batches', 'batches_per_rank',
+           'priority_stream', 'DaliNormalize', 'Target', 'ImageItems', 'DaliEpoch', 'PipelineSource',
+           'DaliDataLoader', 'BoxTarget', 'BoxLabelTarget', 'PointTarget', 'prepare_masks', 'MaskTarget',
+           'shard_index', 'write_shards', 'folder_shards', 'check_shards', 'parse_label', 'ShardItems',
+           'tfrecord_index', 'dblock_shards', 'label_targets', 'dblock_items', 'DaliDataLoaders', 'UnpackDaliBatch',
+           'ClampSchedPos', 'restart_epoch', 'DaliResetCallback', 'DaliDistributed', 'DaliCheckpoint',
+           'FASHION_MNIST_CLASSES', 'fashion_mnist_df', 'write_once', 'fashion_mnist', 'SCENE_CODES',
+           'fashion_scenes', 'small_detector', 'padded_detections', 'DetectionAdapter', 'detection_loss',
+           'DetectionLoss', 'DetectionTargets', 'DetectionMAP', 'DetectionLearner', 'detection_learner',
+           'bench_images', 'side_by_side', 'Throughput', 'training_throughput', 'fastai_aug_tfms',
+           'fastai_default_dls', 'clock_slowdowns', 'aug_transforms_dls', 'bench', 'format_results', 'task_bench',
+           'detection_bench', 'segmentation_bench', 'scale_bench', 'time_to_accuracy', 'shards_bench']

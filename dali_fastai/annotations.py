@@ -27,18 +27,35 @@ def _box_problem(box:list, # ltrb
                  w:float, h:float, # the image's size
                  tol:float, # pixels a box may pass the image's edge
                 )->str|None: # what is wrong with `box`, or None
-    "Why `box` is not a valid ltrb box in a `w`x`h` image, if it is not"
+    "Why `box` is not a valid ltrb box in a `w`x`h` image, if it is not (one that overhangs the image is valid: it is clipped)"
     if len(box) != 4 or not all(isinstance(v, (int, float)) and math.isfinite(v) for v in box):
         return f"box {box} is not 4 finite numbers"
     l,t,r,b = box
     if r <= l or b <= t: return f"box {_fmt(box)} (ltrb) has zero or negative size ({r-l:g} x {b-t:g})"
-    if l < -tol or t < -tol or r > w + tol or b > h + tol: return f"box {_fmt(box)} (ltrb) lies outside the {w:g}x{h:g} image"
+    if r <= -tol or b <= -tol or l >= w + tol or t >= h + tol: return f"box {_fmt(box)} (ltrb) lies wholly outside the {w:g}x{h:g} image"
     return None
 
 def _fmt(v:list)->str: return '[' + ', '.join(f'{x:g}' for x in v) + ']'
 
-def _clip(boxes:list, w:float, h:float)->np.ndarray:
-    return np.clip(np.array(boxes, np.float32).reshape(-1, 4), 0, [w, h, w, h]).astype(np.float32)
+# %% ../nbs/02c_annotations.ipynb #7ed1c842
+def _clipped(raw:list, # per image: (file, ltrb boxes, class names, width, height)
+             tol:float, # pixels a box may pass the image's edge without a warning
+             source:str, # the file or folder read, for the warning
+            )->list: # `ImageBoxes`, boxes clipped to their image; those left with no area dropped with their labels
+    "Each image's boxes clipped to it; one warning counting the boxes clipped by more than `tol` pixels and those dropped"
+    recs,n_clipped,n_dropped,first = [],0,0,None
+    for f,boxes,labels,w,h in raw:
+        a = np.array(boxes, np.float32).reshape(-1, 4)
+        c = np.clip(a, 0, np.array([w, h, w, h], np.float32))
+        far,keep = (np.abs(c - a) > tol).any(1),(c[:, 2] > c[:, 0]) & (c[:, 3] > c[:, 1])
+        if first is None and (far | ~keep).any(): first = f"'{f}' ({w:g}x{h:g}), box {_fmt(a[far | ~keep][0].tolist())}"
+        n_clipped,n_dropped = n_clipped + int((far & keep).sum()),n_dropped + int((~keep).sum())
+        recs.append(ImageBoxes(f, c[keep], [l for l,k in zip(labels, keep) if k]))
+    if first is not None:
+        what = [f"clipped {n_clipped} box(es) that pass their image's edge by more than tol={tol:g} px"] if n_clipped else []
+        what += [f"dropped {n_dropped} box(es) left with no area inside their image, with their labels"] if n_dropped else []
+        warnings.warn(f"{source}: {' and '.join(what)}, as fastai clips boxes to the image; the first is in {first}", stacklevel=3)
+    return recs
 
 # %% ../nbs/02c_annotations.ipynb #fd02d58a
 def _report(problems:list, # one line per bad annotation: the object and what is wrong
@@ -98,7 +115,7 @@ def read_coco(json_path:str|Path, # a COCO json file (one split)
               keep_empty:bool=True, # keep images with no box
               bbox_format:str='xywh', # 'xywh' (COCO's) or 'ltrb'
               skip_bad:bool=False, # drop bad annotations and images with one warning, instead of raising
-              tol:float=1.0, # pixels a box may pass the image's edge (it is clipped)
+              tol:float=1.0, # pixels a box may pass the image's edge and be clipped without a warning
              )->tuple: # (list of `ImageBoxes` in the file's image order, vocab: category names in id order)
     "Each image's file, ltrb pixel boxes and class names from a COCO json, with the vocab"
     json_path,images_root = Path(json_path),Path(images_root)
@@ -123,7 +140,7 @@ def read_coco(json_path:str|Path, # a COCO json file (one split)
         if p := _box_problem(box, w, h, tol): problems.append(f"{what}: {p}"); continue
         boxes[a['image_id']].append(box); labels[a['image_id']].append(cats[a['category_id']])
     _report(problems, f"'{json_path}'", skip_bad)
-    res = [ImageBoxes(f, _clip(boxes[i], w, h), labels[i]) for i,(f,w,h) in images.items()]
+    res = _clipped([(f, boxes[i], labels[i], w, h) for i,(f,w,h) in images.items()], tol, f"'{json_path}'")
     return [r for r in res if keep_empty or len(r.labels)], list(cats.values())
 
 # %% ../nbs/02c_annotations.ipynb #8ad865d1
@@ -156,7 +173,7 @@ def _voc_ids(voc_root:Path, split:str)->list:
     return [l.split()[0] for l in f.read_text().splitlines() if l.strip()]
 
 def _voc_image(voc_root:Path, id:str, one_based:bool, keep_difficult:bool, vocab:list|None, tol:float, problems:list):
-    "The `ImageBoxes` of image `id`, or None when its XML or image is bad (the problem goes into `problems`)"
+    "(file, boxes, class names, width, height) of image `id`, or None when its XML or image is bad (the problem goes into `problems`)"
     xml = voc_root/'Annotations'/f'{id}.xml'
     if not xml.is_file(): problems.append(f"'{xml}': missing (image id {id!r} is listed in the split)"); return None
     try: root = ET.parse(xml).getroot()
@@ -170,7 +187,7 @@ def _voc_image(voc_root:Path, id:str, one_based:bool, keep_difficult:bool, vocab
         box,name = _voc_object(o, k, w, h, one_based, vocab, tol)
         if box is None: problems.append(f"'{xml}': {name}"); continue
         boxes.append(box); names.append(name)
-    return ImageBoxes(img, _clip(boxes, w, h), names)
+    return img, boxes, names, w, h
 
 # %% ../nbs/02c_annotations.ipynb #770927c6
 def read_voc(voc_root:str|Path, # a Pascal VOC folder: `JPEGImages/`, `Annotations/`, `ImageSets/Main/`
@@ -180,13 +197,13 @@ def read_voc(voc_root:str|Path, # a Pascal VOC folder: `JPEGImages/`, `Annotatio
              vocab:list|None=None, # the class names; default: those found, sorted
              one_based:bool=True, # coordinates count pixels from 1, xmax/ymax included (VOC's convention)
              skip_bad:bool=False, # drop bad objects and images with one warning, instead of raising
-             tol:float=1.0, # pixels a box may pass the image's edge (it is clipped)
+             tol:float=1.0, # pixels a box may pass the image's edge and be clipped without a warning
             )->tuple: # (list of `ImageBoxes` in the split's order, vocab)
     "Each image's file, ltrb pixel boxes and class names from a Pascal VOC split, with the vocab"
     voc_root,problems = Path(voc_root),[]
-    recs = [_voc_image(voc_root, id, one_based, keep_difficult, vocab, tol, problems) for id in _voc_ids(voc_root, split)]
+    raw = [_voc_image(voc_root, id, one_based, keep_difficult, vocab, tol, problems) for id in _voc_ids(voc_root, split)]
     _report(problems, f"'{voc_root}' split {split!r}", skip_bad)
-    recs = [r for r in recs if r is not None and (keep_empty or len(r.labels))]
+    recs = [r for r in _clipped([r for r in raw if r is not None], tol, f"'{voc_root}' split {split!r}") if keep_empty or len(r.labels)]
     return recs, list(vocab) if vocab is not None else sorted({n for r in recs for n in r.labels})
 
 # %% ../nbs/02c_annotations.ipynb #7251a80b

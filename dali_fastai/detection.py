@@ -6,7 +6,7 @@ Docs: https://dali-fastai.github.io/dali_fastai/detection.html.md"""
 
 # %% auto #0
 __all__ = ['fastai_to_targets', 'small_detector', 'padded_detections', 'unpadded', 'DetectionAdapter', 'detection_loss',
-           'DetectionLoss', 'DetectionTargets', 'DetectionMAP', 'detection_learner']
+           'DetectionLoss', 'DetectionTargets', 'DetectionMAP', 'DetectionLearner', 'detection_learner']
 
 # %% ../nbs/10_detection.ipynb #4a531d6b
 from contextlib import contextmanager
@@ -23,6 +23,7 @@ from fastai.callback.core import Callback
 from fastai.learner import Learner, Metric
 from fastai.torch_core import TensorMultiCategory
 from fastai.vision.core import TensorBBox
+from fastai.vision.data import get_grid
 
 # %% ../nbs/10_detection.ipynb #390b0111
 def fastai_to_targets(boxes:torch.Tensor, # `TensorBBox` [bs, max_boxes, 4], ltrb in [-1, 1], padded by `bb_pad`
@@ -164,19 +165,41 @@ class DetectionMAP(Metric):
         cpu = lambda ds: [{k: v.detach().cpu() for k,v in d.items()} for d in ds]
         self.mean_ap.update(cpu(unpadded(learn.pred['detections'])), cpu(targets))
     @property
-    def value(self)->float: return self.mean_ap.compute()[self.key].item()
+    def value(self)->float|None:
+        "COCO's number `key` over the batches accumulated; None when none was (`predict`, `show_results`), as fastai's `AvgMetric`"
+        return self.mean_ap.compute()[self.key].item() if self.mean_ap.update_called else None
     @property
     def name(self)->str: return self.key
 
 # %% ../nbs/10_detection.ipynb #fecd0a39
+class DetectionLearner(Learner):
+    "A `Learner` for a detector whose `show_results` draws the targets' and the predictions' boxes with their class names"
+    def show_results(self, ds_idx:int=1, # the loader: 0 training, 1 validation
+                     dl=None, # another loader; default: `dls[ds_idx]`, shuffled as `shuffle` says
+                     max_n:int=9, # images to show
+                     shuffle:bool=True, # a random batch
+                     figsize:tuple|None=None, # the figure's size
+                     **kwargs, # passed to the images' `show`
+                    )->list: # the axes: targets in even places, predictions in odd ones
+        "Each image twice, its target boxes then its predicted boxes, each box with its class name (`#na#` padding left out)"
+        if dl is None: dl = self.dls[ds_idx].new(shuffle=shuffle)
+        b = dl.one_batch()
+        _,_,preds = self.get_preds(dl=[b], with_decoded=True)
+        _,_,samples,outs = dl.show_results(b, preds, max_n=max_n, show=False)  # samples: (image, boxes, LabeledBBox)
+        ctxs = get_grid(min(len(samples), max_n), ncols=1, double=True, figsize=figsize, title='Target/Prediction')
+        for s,o,target,pred in zip(samples, outs, ctxs[::2], ctxs[1::2]):
+            s[-1].show(ctx=s[0].show(ctx=target, **kwargs))
+            o[-1].show(ctx=s[0].show(ctx=pred, **kwargs))
+        return ctxs
+
 def detection_learner(dls, # loaders of fastai's (image, `TensorBBox`, `TensorMultiCategory`) batches
                       model:nn.Module, # a torchvision detector (see `small_detector`)
                       valid_loss:bool=True, # also compute the losses in validation
                       metrics:list|None=None, # default: `DetectionMAP()` and `DetectionMAP('map_50')`
                       cbs:list|None=None, # more callbacks
                       **kwargs, # passed to `Learner`
-                     )->Learner:
+                     )->DetectionLearner:
     "A `Learner` training a torchvision detector on fastai's box batches, with its own losses and COCO mAP"
     metrics = [DetectionMAP(), DetectionMAP('map_50')] if metrics is None else metrics
-    return Learner(dls, DetectionAdapter(model, valid_loss), loss_func=DetectionLoss(), metrics=metrics,
-                   cbs=[DetectionTargets(), *(cbs or [])], **kwargs)
+    return DetectionLearner(dls, DetectionAdapter(model, valid_loss), loss_func=DetectionLoss(), metrics=metrics,
+                            cbs=[DetectionTargets(), *(cbs or [])], **kwargs)

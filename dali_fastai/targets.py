@@ -8,7 +8,7 @@ Docs: https://dali-fastai.github.io/dali_fastai/targets.html.md"""
 __all__ = ['BatchGeometry', 'batch_geometry', 'Ragged', 'box_file', 'BoxTarget', 'BoxLabelTarget', 'PointTarget']
 
 # %% ../nbs/03b_targets.ipynb #75b3e09a
-import hashlib, os
+import hashlib, math, os
 from pathlib import Path
 import numpy as np
 import torch
@@ -124,6 +124,11 @@ class BoxTarget(Target):
         "Boxes in the pixels of the sample's image, as fastai decodes them (`PointScaler`; padding rows land on the centre)"
         return _pixels(sample[k], sample[0]).view(-1, 4)
     def retain(self, y): return TensorBBox(y)
+    @property
+    def c(self)->int|None:
+        "fastai's `c` for box loaders: `PointScaler` counts the first training item's box coordinates (4 a box); None when it has none"
+        if self.values is None or not len(self.values): return None
+        return 4*len(self.values[0]) or None
 
     @property
     def box_files(self)->list|None:
@@ -185,6 +190,10 @@ class PointTarget(Target):
     def decode(self, y, full:bool=True): return TensorPoint(y)
     def retain(self, y): return TensorPoint(y)
     def decode_in(self, sample:tuple, k:int, full:bool=True)->TensorPoint: return _pixels(sample[k], sample[0])
+    @property
+    def c(self)->int|None:
+        "Numbers an item's points make (points x 2), as fastai's `PointScaler` sets `c`: what `vision_learner`'s model outputs"
+        return None if self.values is None else int(math.prod(self.values.shape[1:]))
     def batch(self, idx:torch.Tensor, geo:dict|BatchGeometry)->TensorPoint:
         geo = batch_geometry(geo)
         if idx.device not in self._on: self._on = {idx.device: self.values.to(idx.device)}

@@ -3,6 +3,7 @@ import json, warnings
 from pathlib import Path
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 from fastai.vision.all import get_annotations
 from dali_fastai.annotations import ImageBoxes, read_coco, read_voc, to_fastai, from_fastai
@@ -69,11 +70,42 @@ def test_coco_options(tmp_path):
 
 def test_coco_clips_within_tolerance(tmp_path):
     d = coco_dict(); d['annotations'][0]['bbox'] = [-0.6, 0, 41, 30.8]
-    recs,_ = read_coco(write_coco(tmp_path, d), tmp_path/'img')
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')  # within tol: no warning
+        recs,_ = read_coco(write_coco(tmp_path, d), tmp_path/'img')
     assert recs[0].boxes[0].tolist() == [0, 0, 40, 30]
 
+def test_coco_clips_overhanging_boxes_as_fastai_does(tmp_path):
+    "Boxes past the edge by more than tol are clipped, with one warning counting them and naming the first file; those left empty go"
+    d = coco_dict()
+    d['annotations'][0]['bbox'] = [30, 2, 13, 5]  # ltrb [30, 2, 43, 7]: 3 px past the right edge of the 40x30 image
+    d['annotations'].append(dict(id=13, image_id=7, category_id=5, bbox=[-5, 20, 8, 13]))  # [-5, 20, 3, 33]: past the left and bottom edges
+    d['annotations'].append(dict(id=14, image_id=7, category_id=3, bbox=[40, 3, 0.8, 4]))  # [40, 3, 40.8, 7]: within tol, but no area inside
+    with pytest.warns(UserWarning) as w: recs,vocab = read_coco(write_coco(tmp_path, d), tmp_path/'img')
+    assert len(w) == 1, [str(x.message) for x in w]
+    msg = str(w[0].message)
+    assert msg.startswith(f"'{tmp_path/'ann.json'}': clipped 2 box(es) that pass their image's edge by more than tol=1 px and "
+                          "dropped 1 box(es) left with no area inside their image"), msg
+    assert f"the first is in '{tmp_path/'img'/'a.jpg'}' (40x30), box [30, 2, 43, 7]" in msg
+    assert recs[0].boxes.tolist() == [[30, 2, 40, 7], [20, 10, 39.5, 30]] and recs[0].labels == ['cat', 'dog']
+    assert recs[2].boxes.tolist() == [[0, 20, 3, 30]] and recs[2].labels == ['dog']  # the empty box and its label dropped
+    # fastai's own clip_remove_empty on the same boxes (in [-1, 1]) keeps the same ones, clipped the same way
+    from fastai.vision.all import TensorBBox, TensorMultiCategory
+    from fastai.vision.data import clip_remove_empty
+    raw = np.array([[-5, 20, 3, 33], [40, 3, 40.8, 7]], np.float32)
+    b,l = clip_remove_empty(TensorBBox(torch.tensor(raw*2/[40, 30, 40, 30] - 1)), TensorMultiCategory(torch.tensor([2, 1])))
+    np.testing.assert_allclose(((b + 1)*torch.tensor([20., 15, 20, 15])).numpy(), recs[2].boxes, atol=1e-5)
+    assert l.tolist() == [2]
+
+def test_voc_clips_overhanging_boxes(tmp_path):
+    xmls = good_voc(); xmls['a'] = voc_xml([('cat', (30, 3, 45, 7), 0)])  # edges [29, 2, 45, 7]: 5 px past the right edge
+    with pytest.warns(UserWarning, match=r"clipped 1 box\(es\) .* the first is in '.*a.jpg' \(40x30\), box \[29, 2, 45, 7\]"):
+        recs,_ = read_voc(write_voc(tmp_path, xmls))
+    assert recs[0].boxes.tolist() == [[29, 2, 40, 7]] and recs[0].labels == ['cat']
+
 BAD_COCO = [  # (change to the good dict, the message's line)
-    (lambda d: d['annotations'][0].update(bbox=[30, 2, 15, 5]), "annotation id 10 (image id 1): box [30, 2, 45, 7] (ltrb) lies outside the 40x30 image"),
+    (lambda d: d['annotations'][0].update(bbox=[41, 2, 15, 5]), "annotation id 10 (image id 1): box [41, 2, 56, 7] (ltrb) lies wholly outside the 40x30 image"),
+    (lambda d: d['annotations'][0].update(bbox=[-9, 2, 8, 5]), "annotation id 10 (image id 1): box [-9, 2, -1, 7] (ltrb) lies wholly outside the 40x30 image"),
     (lambda d: d['annotations'][0].update(bbox=[1, 2, 0, 5]), "annotation id 10 (image id 1): box [1, 2, 1, 7] (ltrb) has zero or negative size (0 x 5)"),
     (lambda d: d['annotations'][0].update(bbox=[1, 2, 10, -5]), "annotation id 10 (image id 1): box [1, 2, 11, -3] (ltrb) has zero or negative size (10 x -5)"),
     (lambda d: d['annotations'][0].update(bbox=[1, 2, 10]), "annotation id 10 (image id 1): bbox [1, 2, 10] is not 4 numbers"),
@@ -100,7 +132,7 @@ def test_coco_bad(tmp_path, change, line):
     assert 'gone.jpg' not in {r.file.name for r in recs}
 
 def test_coco_all_problems_listed_once(tmp_path):
-    d = coco_dict(); d['annotations'][0]['category_id'] = 4; d['annotations'][1]['bbox'] = [30, 0, 20, 5]
+    d = coco_dict(); d['annotations'][0]['category_id'] = 4; d['annotations'][1]['bbox'] = [50, 0, 20, 5]
     with pytest.raises(ValueError, match=r"2 bad annotation\(s\):\n  annotation id 10 .*\n  annotation id 11 "):
         read_coco(write_coco(tmp_path, d), tmp_path/'img')
 
@@ -144,7 +176,7 @@ def test_voc_missing_split(tmp_path):
     with pytest.raises(FileNotFoundError, match=r"no split file '.*val.txt': this folder has splits \['train'\]"): read_voc(tmp_path, 'val')
 
 BAD_VOC = [
-    (lambda x: x.update(a=voc_xml([('cat', (30, 3, 45, 7), 0)])), "'{root}/Annotations/a.xml': object 0 ('cat'): box [29, 2, 45, 7] (ltrb) lies outside the 40x30 image"),
+    (lambda x: x.update(a=voc_xml([('cat', (43, 3, 45, 7), 0)])), "'{root}/Annotations/a.xml': object 0 ('cat'): box [42, 2, 45, 7] (ltrb) lies wholly outside the 40x30 image"),
     (lambda x: x.update(a=voc_xml([('cat', (5, 3, 4, 7), 0)])), "'{root}/Annotations/a.xml': object 0 ('cat'): box [4, 2, 4, 7] (ltrb) has zero or negative size (0 x 5)"),
     (lambda x: x.update(a=voc_xml([('cat', (2, 3, 11, 7), 0), ('', (2, 3, 11, 7), 0)])), "'{root}/Annotations/a.xml': object 1: no <name>"),
     (lambda x: x.update(a=voc_xml([('cat', (2, 3, 'x', 7), 0)])), "'{root}/Annotations/a.xml': object 0 ('cat'): no <bndbox> with numbers xmin, ymin, xmax, ymax"),

@@ -8,7 +8,9 @@ import torch
 from fastai.vision.all import (DataBlock, ImageBlock, CategoryBlock, MultiCategoryBlock, RegressionBlock, ColReader,
                                RegexLabeller, RandomSplitter, GrandparentSplitter, ColSplitter, get_image_files,
                                parent_label, Resize, TensorCategory, TensorMultiCategory, Learner, accuracy_multi,
-                               CrossEntropyLossFlat, BCEWithLogitsLossFlat)
+                               CrossEntropyLossFlat, BCEWithLogitsLossFlat, PointBlock, BBoxBlock, BBoxLblBlock, MaskBlock,
+                               FuncSplitter, TensorPoint, vision_learner, resnet18)
+from fastai.data.transforms import get_c
 from PIL import Image
 
 from dali_fastai.data import DaliDataLoaders
@@ -132,3 +134,57 @@ def test_image_targets_are_refused_with_a_clear_error(tmp_path):
                        get_y=lambda o: o.parent/'no_such_image.png', splitter=FuncSplitter(lambda o: o.name == 'b.png'))
     with pytest.raises(ValueError, match=r'an image target \(an ImageBlock after the input.*use dblock.dataloaders'):
         DaliDataLoaders.from_dblock(dblock, tmp_path, bs=1, device='cpu')
+
+
+# --- `c` of every target kind, against fastai's loaders for the same DataBlock ---
+@pytest.fixture(scope='module')
+def tiny(tmp_path_factory):
+    "Ten 40x32 images, `train_0` .. `train_7` and `valid_8`, `valid_9`, each with a mask of 3 codes"
+    root = tmp_path_factory.mktemp('tiny')
+    rng = np.random.default_rng(0)
+    for i in range(10):
+        Image.fromarray(rng.integers(0, 256, (32, 40, 3), dtype=np.uint8)).save(root/f"{'valid' if i >= 8 else 'train'}_{i}.png")
+        Image.fromarray(rng.integers(0, 3, (32, 40), dtype=np.uint8)).save(root/f'mask_{i}.png')
+    return root
+
+def _n(o)->int: return int(o.stem.split('_')[1])
+def _boxes(first:int):
+    "Boxes: `first` of them on `train_0` (fastai's `c` counts the first training item's), one or two on the others"
+    return lambda o: [[1., 2., 10., 20.], [5., 5., 30., 25.], [20., 3., 39., 30.]][:first if _n(o) == 0 else 1 + _n(o) % 2]
+
+KINDS = {  # (blocks, get_y)
+    'categories': ((CategoryBlock,), lambda o: 'ab'[_n(o) % 2]),
+    'multi-label': ((MultiCategoryBlock,), lambda o: ['a', 'b', 'c'][:1 + _n(o) % 3]),
+    'regression': ((RegressionBlock,), lambda o: float(_n(o))),
+    'regression, 2 outputs': ((RegressionBlock(n_out=2),), lambda o: [float(_n(o)), 1.]),
+    'points': ((PointBlock,), lambda o: [[3., 4.], [10., 20.], [30., 2.]]),
+    'boxes': ((BBoxBlock, BBoxLblBlock), [_boxes(2), lambda o: ['a', 'b', 'c'][:len(_boxes(2)(o))]]),
+    'boxes, none on the first': ((BBoxBlock, BBoxLblBlock), [_boxes(0), lambda o: ['a', 'b', 'c'][:len(_boxes(0)(o))]]),
+    'masks': ((MaskBlock(['x', 'y', 'z']),), lambda o: o.parent/f'mask_{_n(o)}.png'),
+}
+
+@pytest.mark.parametrize('kind', list(KINDS))
+def test_c_is_fastais(tiny, kind):
+    "`dls.c` is what fastai's `get_c` finds on its own loaders (what `vision_learner`/`unet_learner` size the head by); `get_c` of ours agrees"
+    blocks,get_y = KINDS[kind]
+    dblock = DataBlock(blocks=(ImageBlock, *blocks), get_items=lambda d: sorted(d.glob('[tv]*.png')), get_y=get_y, n_inp=1,
+                       splitter=FuncSplitter(lambda o: o.name.startswith('valid')), item_tfms=Resize(32))
+    theirs = dblock.dataloaders(tiny, bs=2, num_workers=0)
+    ours = DaliDataLoaders.from_dblock(dblock, tiny, bs=2, device='cpu', seed=0)
+    want = get_c(theirs)
+    assert want > 0 and (ours.c, get_c(ours)) == (want, want)
+    if hasattr(theirs, 'c'): assert ours.c == theirs.c  # where fastai's loaders answer `c` themselves
+
+
+def test_keypoints_reach_a_learner(tiny):
+    "`vision_learner(dls, resnet18, y_range=(-1, 1))` on point loaders: a head of points x 2 outputs, a fit, a prediction of points"
+    dblock = DataBlock(blocks=(ImageBlock, PointBlock), get_items=lambda d: sorted(d.glob('[tv]*.png')),
+                       get_y=lambda o: [[3., 4.], [30., 20.]], splitter=FuncSplitter(lambda o: o.name.startswith('valid')),
+                       item_tfms=Resize(32))
+    dls = DaliDataLoaders.from_dblock(dblock, tiny, bs=2, device='cpu', seed=0)
+    learn = vision_learner(dls, resnet18, y_range=(-1, 1), pretrained=False)
+    with learn.no_bar(), learn.no_logging(): learn.fit(1, 1e-3)
+    preds,targs = learn.get_preds()
+    assert (preds.shape, targs.shape) == ((2, 4), (2, 2, 2)) and preds.abs().max() <= 1
+    with learn.no_bar(): pts,_,_ = learn.predict(dls.valid.items.files[0])
+    assert isinstance(pts, TensorPoint) and pts.shape == (2, 2)

@@ -1,6 +1,7 @@
 "`dali_fastai.detection` on CPU: fastai's padded batches to torchvision targets, a training step, predictions, mAP"
-import math
+import math, warnings
 from types import SimpleNamespace
+import matplotlib.pyplot as plt
 import pytest
 import torch
 from fastai.vision.all import TensorBBox, TensorMultiCategory, bb_pad, TensorImage
@@ -96,3 +97,40 @@ def test_map_accumulates_batches(batch):
     m = DetectionMAP('mar_100')
     m.accumulate(fake_learn(x, bx, lb, perfect)); m.accumulate(fake_learn(x, bx, lb, empty))
     assert m.value == pytest.approx(0.5) and m.name == 'mar_100'
+
+
+@pytest.fixture(scope='module')
+def scene_learner(tmp_path_factory):
+    "An untrained detector's `Learner` on DALI loaders over a few embedded scenes (every box scored: its predictions are drawn)"
+    from fastai.vision.all import Resize
+    from dali_fastai.data import DaliDataLoaders
+    from dali_fastai.detection import detection_learner
+    from dali_fastai.scenes import fashion_scenes
+    path = fashion_scenes(tmp_path_factory.mktemp('scenes')/'s', n_train=40, n_valid=4, size=64, progress=False)
+    dls = DaliDataLoaders.from_coco(path, images='JPEGImages', bs=2, item_tfms=Resize(64), device='cpu', seed=0)
+    torch.manual_seed(0)
+    return detection_learner(dls, small_detector(len(dls.vocab), 64, fpn_channels=64, score_thresh=0.0, detections_per_img=3))
+
+def test_show_results_names_the_boxes(scene_learner):
+    "Targets and predictions are drawn with their class names; the mAP metrics do not warn (nothing to compute)"
+    learn = scene_learner
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        with learn.no_bar(): ctxs = learn.show_results(max_n=2, shuffle=False)
+    assert [str(x.message) for x in w if 'compute' in str(x.message)] == []
+    names = [[t.get_text() for t in ax.texts] for ax in ctxs]
+    vocab = set(learn.dls.vocab[1:])
+    assert len(ctxs) == 4 and names[0] and names[2] and set(names[0] + names[2]) <= vocab  # the targets, named
+    assert names[1] and names[3] and set(names[1] + names[3]) <= vocab  # the predictions, named
+    xb,boxes,labels = learn.dls.valid.one_batch()
+    assert names[0] == [learn.dls.vocab[int(l)] for l in labels[0] if l != 0]  # the first image's objects, in order
+    plt.close('all')
+
+def test_predict_does_not_warn(scene_learner):
+    "predict on a file: boxes with class names, and no warning from the mAP metrics (no batch reached them)"
+    learn = scene_learner
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        with learn.no_bar(): full,boxes,_ = learn.predict(learn.dls.valid.items.files[0])
+    assert [str(x.message) for x in w if 'compute' in str(x.message)] == []
+    assert isinstance(boxes, TensorBBox) and set(full[1].lbl) <= set(learn.dls.vocab)

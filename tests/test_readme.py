@@ -1,5 +1,5 @@
 "README.md is generated from the index notebook: it must not drift, and the drift check must be able to fail"
-import json, shutil, subprocess, sys
+import json, re, shutil, subprocess, sys
 from pathlib import Path
 
 import pytest
@@ -101,3 +101,37 @@ def test_picture_links_point_from_the_root():
     assert md == ['![chart](nbs/images/bench_h200.png) [site](https://x.org/a.png)']
     for link in __import__('re').findall(r'\]\((nbs/[^)]+)\)', (ROOT/'README.md').read_text()):
         assert (ROOT/link).exists(), f"README links to {link}, which does not exist"
+
+
+def readme_examples()->list:
+    "The README's python blocks that no code cell of the index notebook holds (those run with the notebook, `test_notebooks.py`)"
+    cells = {rd.split_directives(''.join(c['source']))[1].strip() for c in json.loads(INDEX.read_text())['cells']
+             if c['cell_type'] == 'code'}
+    blocks = re.findall(r'```python\n(.*?)\n```', (ROOT/'README.md').read_text(), flags=re.S)
+    return [b for b in blocks if b.strip() not in cells]
+
+
+def test_readme_examples_run_as_shown(tmp_path, monkeypatch):
+    """The quick start (the README's python blocks the notebook does not run) runs as shown, on the CPU: `path` is a
+    folder of the embedded images, two classes of 32 training and 32 validation images; the ImageNet weights are a
+    random ResNet-18's, put where torchvision looks for them (no download); and the working directory is elsewhere, so
+    that a relative file name that only works beside the data fails here"""
+    blocks = readme_examples()
+    assert len(blocks) == 1 and 'load_learner' in blocks[0], blocks
+    import torch, torchvision
+    from helpers import fmnist_path
+    path = tmp_path/'images'
+    for split,n in (('train', 32), ('valid', 32)):  # 64 validation images: val_bs=64 refuses fewer (issue 28, item 3)
+        for c in ('Trouser', 'Bag'):
+            (path/split/c).mkdir(parents=True)
+            for f in sorted((fmnist_path()/split/c).glob('*.jpg'))[:n]: shutil.copy(f, path/split/c/f.name)
+    weights = tmp_path/'torch'/'hub'/'checkpoints'/Path(torchvision.models.ResNet18_Weights.DEFAULT.url).name
+    weights.parent.mkdir(parents=True)
+    torch.save(torchvision.models.resnet18().state_dict(), weights)
+    monkeypatch.setenv('TORCH_HOME', str(tmp_path/'torch'))
+    (tmp_path/'elsewhere').mkdir(); monkeypatch.chdir(tmp_path/'elsewhere')
+    ns = {'path': path}
+    for b in blocks: exec(compile(b, 'README.md', 'exec'), ns)
+    assert (path/'model.pkl').is_file() and not list((tmp_path/'elsewhere').iterdir())
+    assert ns['learner'].dls.vocab == ['Bag', 'Trouser'] and ns['learn'].recorder.values  # it trained
+    assert ns['learner'].predict(path/'valid'/'Bag'/sorted(p.name for p in (path/'valid'/'Bag').iterdir())[0])[0] in ('Bag', 'Trouser')
