@@ -19,43 +19,47 @@ with warnings.catch_warnings():
     from dali_fastai.colour import COLOUR_TFMS, neg_logit, power_form, colour_unsupported, lighting_draws, colour_node
     from dali_fastai.pipeline import (HW_DECODER_HINT, IMAGENET_MEAN, IMAGENET_STD, read_files, decoder_args,
         decode_random_crop, decode_center_crop, augment_steps, train_pipeline, valid_pipeline)
-    from dali_fastai.files import check_image, cache_dir, check_images
+    from dali_fastai.files import check_image, cache_dir, check_images, cached_file_values
     from dali_fastai.translate import (RandomBoxCrop, GeometryStep, ImageRecipe, fastai_recipe, keyword_recipe,
         geometry_outputs)
     from dali_fastai.annotations import ImageBoxes, read_coco, read_voc, to_fastai, from_fastai
-    from dali_fastai.loader import (FULL_CHECK_LIMIT, n_batches, batches_per_rank, priority_stream, DaliNormalize,
+    from dali_fastai.loader import (check_arg, check_settings, FULL_CHECK_LIMIT, n_batches, batches_per_rank, priority_stream, DaliNormalize,
         Target, ImageItems, DaliEpoch, PipelineSource, DaliDataLoader)
     from dali_fastai.targets import BoxTarget, BoxLabelTarget, PointTarget
-    from dali_fastai.masks import prepare_masks, MaskTarget
+    from dali_fastai.masks import prepare_masks, mask_values, check_mask_values, MaskTarget
     from dali_fastai.shards import (shard_index, write_shards, folder_shards, check_shards, parse_label, ShardItems,
         tfrecord_index, dblock_shards)
     from dali_fastai.data import label_targets, dblock_items, DaliDataLoaders
     from dali_fastai.callbacks import UnpackDaliBatch, ClampSchedPos, restart_epoch, DaliResetCallback
+    from dali_fastai.faststep import FastStep, FastOptimizer, torch_step, on_device, HostReads
     from dali_fastai.distributed import DaliDistributed, DaliCheckpoint
     from dali_fastai.datasets import FASHION_MNIST_CLASSES, fashion_mnist_df, write_once, fashion_mnist
     from dali_fastai.scenes import SCENE_CODES, fashion_scenes
     from dali_fastai.detection import (small_detector, padded_detections, DetectionAdapter, detection_loss,
         DetectionLoss, DetectionTargets, DetectionMAP, DetectionLearner, detection_learner)
-    from dali_fastai.bench import (bench_images, side_by_side, Throughput, training_throughput, fastai_aug_tfms,
+    from dali_fastai.bench import (COMPILED, bench_images, side_by_side, loader_throughput, Throughput, training_throughput, fastai_aug_tfms,
         fastai_default_dls, clock_slowdowns, aug_transforms_dls, bench, format_results, task_bench, detection_bench,
         segmentation_bench, scale_bench, time_to_accuracy, shards_bench)
+    from dali_fastai.stepbench import PlainLoop, step_bench, task_step_bench
 
 # %% ../nbs/07_all.ipynb #f745ce07
 __all__ = ['warp_matrix', 'synthetic_warps', 'rotation_matrix', 'compose_matrices', 'random_warps_node',
            'affine_steps', 'subset_product_node', 'fastai_rng', 'HostDraws', 'COLOUR_TFMS', 'neg_logit',
            'power_form', 'colour_unsupported', 'lighting_draws', 'colour_node', 'HW_DECODER_HINT', 'IMAGENET_MEAN',
            'IMAGENET_STD', 'read_files', 'decoder_args', 'decode_random_crop', 'decode_center_crop', 'augment_steps',
-           'train_pipeline', 'valid_pipeline', 'check_image', 'cache_dir', 'check_images', 'RandomBoxCrop',
-           'GeometryStep', 'ImageRecipe', 'fastai_recipe', 'keyword_recipe', 'geometry_outputs', 'ImageBoxes',
-           'read_coco', 'read_voc', 'to_fastai', 'from_fastai', 'FULL_CHECK_LIMIT', 'n_batches', 'batches_per_rank',
-           'priority_stream', 'DaliNormalize', 'Target', 'ImageItems', 'DaliEpoch', 'PipelineSource',
-           'DaliDataLoader', 'BoxTarget', 'BoxLabelTarget', 'PointTarget', 'prepare_masks', 'MaskTarget',
-           'shard_index', 'write_shards', 'folder_shards', 'check_shards', 'parse_label', 'ShardItems',
-           'tfrecord_index', 'dblock_shards', 'label_targets', 'dblock_items', 'DaliDataLoaders', 'UnpackDaliBatch',
-           'ClampSchedPos', 'restart_epoch', 'DaliResetCallback', 'DaliDistributed', 'DaliCheckpoint',
-           'FASHION_MNIST_CLASSES', 'fashion_mnist_df', 'write_once', 'fashion_mnist', 'SCENE_CODES',
-           'fashion_scenes', 'small_detector', 'padded_detections', 'DetectionAdapter', 'detection_loss',
-           'DetectionLoss', 'DetectionTargets', 'DetectionMAP', 'DetectionLearner', 'detection_learner',
-           'bench_images', 'side_by_side', 'Throughput', 'training_throughput', 'fastai_aug_tfms',
-           'fastai_default_dls', 'clock_slowdowns', 'aug_transforms_dls', 'bench', 'format_results', 'task_bench',
-           'detection_bench', 'segmentation_bench', 'scale_bench', 'time_to_accuracy', 'shards_bench']
+           'train_pipeline', 'valid_pipeline', 'check_image', 'cache_dir', 'check_images', 'cached_file_values',
+           'RandomBoxCrop', 'GeometryStep', 'ImageRecipe', 'fastai_recipe', 'keyword_recipe', 'geometry_outputs',
+           'ImageBoxes', 'read_coco', 'read_voc', 'to_fastai', 'from_fastai', 'check_arg', 'check_settings',
+           'FULL_CHECK_LIMIT', 'n_batches', 'batches_per_rank', 'priority_stream', 'DaliNormalize', 'Target',
+           'ImageItems', 'DaliEpoch', 'PipelineSource', 'DaliDataLoader', 'BoxTarget', 'BoxLabelTarget',
+           'PointTarget', 'prepare_masks', 'mask_values', 'check_mask_values', 'MaskTarget', 'shard_index',
+           'write_shards', 'folder_shards', 'check_shards', 'parse_label', 'ShardItems', 'tfrecord_index',
+           'dblock_shards', 'label_targets', 'dblock_items', 'DaliDataLoaders', 'UnpackDaliBatch', 'ClampSchedPos',
+           'restart_epoch', 'DaliResetCallback', 'FastStep', 'FastOptimizer', 'torch_step', 'on_device', 'HostReads',
+           'DaliDistributed', 'DaliCheckpoint', 'FASHION_MNIST_CLASSES', 'fashion_mnist_df', 'write_once',
+           'fashion_mnist', 'SCENE_CODES', 'fashion_scenes', 'small_detector', 'padded_detections',
+           'DetectionAdapter', 'detection_loss', 'DetectionLoss', 'DetectionTargets', 'DetectionMAP',
+           'DetectionLearner', 'detection_learner', 'COMPILED', 'bench_images', 'side_by_side', 'loader_throughput',
+           'Throughput', 'training_throughput', 'fastai_aug_tfms', 'fastai_default_dls', 'clock_slowdowns',
+           'aug_transforms_dls', 'bench', 'format_results', 'task_bench', 'detection_bench', 'segmentation_bench',
+           'scale_bench', 'time_to_accuracy', 'shards_bench', 'PlainLoop', 'step_bench', 'task_step_bench']
