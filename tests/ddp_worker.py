@@ -2,7 +2,8 @@
 
 Run by tests/test_distributed.py on the CPU (gloo):  python -m torch.distributed.run --nproc_per_node 2 tests/ddp_worker.py OUT
 (and as two "nodes" of two processes: --nnodes 2 --node_rank 0|1 --master_addr 127.0.0.1, then --check OUT 4)
-On GPUs:  torchrun --nproc_per_node 2 tests/ddp_worker.py OUT --device gpu && python tests/ddp_worker.py --check OUT"""
+On GPUs:  torchrun --nproc_per_node 2 tests/ddp_worker.py OUT --device gpu && python tests/ddp_worker.py --check OUT
+`--fast-step` trains with `FastStep()`: the same checks hold (the metrics gathered across ranks on the device)."""
 import argparse, json, math, os, sys, time
 from pathlib import Path
 
@@ -19,6 +20,7 @@ from helpers import make_index_images, index_items, MAX_INDEX
 from dali_fastai.loader import DaliDataLoader
 from dali_fastai.data import DaliDataLoaders
 from dali_fastai.distributed import DaliDistributed
+from dali_fastai.faststep import FastStep
 
 
 class Record(Callback):
@@ -33,6 +35,7 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument('out'); p.add_argument('--device', default='cpu'); p.add_argument('--n-train', type=int, default=61)
     p.add_argument('--n-valid', type=int, default=23); p.add_argument('--bs', type=int, default=4)
+    p.add_argument('--fast-step', action='store_true', help="train with FastStep (fused optimizer, metrics on the device)")
     a = p.parse_args()
     rank, world = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])
     out = Path(a.out)
@@ -47,7 +50,8 @@ def main():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(3*8*8, MAX_INDEX))
     rec = Record()
-    learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), metrics=accuracy, cbs=[DaliDistributed(), rec])
+    learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), metrics=accuracy,
+                    cbs=[DaliDistributed(), rec, *([FastStep()] if a.fast_step else [])])
     kw = dict(sync_bn=False, cpu=True) if a.device == 'cpu' else {}
     with learn.distrib_ctx(**kw):
         with learn.no_bar(): learn.fit(2, 1e-2)
@@ -58,7 +62,7 @@ def main():
     learn.dls.valid.shard(0, 1)
     after_unshard = sum(len(y) for _,y in learn.dls.valid)
     whole = learn.validate()  # outside the context: one process, the whole validation set
-    res = dict(rank=rank, world=world, lens=lens, seen=seen, targs=targs.tolist(), n_preds=len(preds),
+    res = dict(rank=rank, world=world, lens=lens, opt=type(learn.opt).__name__, seen=seen, targs=targs.tolist(), n_preds=len(preds),
                ddp_valid=[float(v) for v in ddp_valid], whole_valid=[float(v) for v in whole],
                seed=dls.train.seed, device=str(dls.train.device), after_ctx=after_ctx, after_unshard=after_unshard)
     (out/f'rank{rank}.json').write_text(json.dumps(res))

@@ -11,8 +11,8 @@ the GPU (no loader, no fastai): the scaling this host allows. Two more cases sep
 from fastai's loop: `--plain-dali` runs that plain loop on this rank's shard of `DaliDataLoaders` (the loader's cost
 to training, without fastai), and `--fastai-model` gives either plain loop the model `vision_learner` trains (the
 resnet50 body with fastai's head) instead of torchvision's resnet50 (the model's cost). For the fastai cases,
-`--no-bar` fits without fastai's progress bar (which reads the loss with `.item()` every batch) and `--fused-adamw`
-with PyTorch's fused AdamW instead of fastai's Adam. The numbers of 2026-11-24 are in nbs/images/ddp_h200x2.txt and
+`--no-bar` fits without fastai's progress bar (which reads the loss with `.item()` every batch), `--fused-adamw`
+with PyTorch's fused AdamW instead of fastai's Adam, and `--fast-step` with dali_fastai's `FastStep` callback. The numbers of 2026-11-24 are in nbs/images/ddp_h200x2.txt and
 the distributed notebook's "Throughput"."""
 import argparse, contextlib, json, os, subprocess, sys, tempfile, time
 from functools import partial
@@ -33,6 +33,7 @@ from torchvision.models import resnet50
 
 from dali_fastai.bench import bench_images
 from dali_fastai.distributed import DaliDistributed
+from dali_fastai.faststep import FastStep
 from dali_fastai.data import DaliDataLoaders
 
 
@@ -53,11 +54,12 @@ def loader_epochs(dl, epochs:int)->list:
     return times
 
 
-def fit_epochs(dls, epochs:int, world:int, sync_bn:bool, bar:bool=True, fused:bool=False)->list:
+def fit_epochs(dls, epochs:int, world:int, sync_bn:bool, bar:bool=True, fused:bool=False, fast_step:bool=False)->list:
     "Wall time of the training phase of each of `epochs` epochs of a resnet50 (bf16, channels_last) fit"
     timer = EpochTimer()
     kw = dict(opt_func=partial(OptimWrapper, opt=torch.optim.AdamW, fused=True)) if fused else {}
-    learn = vision_learner(dls, resnet50, metrics=accuracy, pretrained=False, cbs=[DaliDistributed(), timer], **kw).to_bf16()
+    cbs = [DaliDistributed(), timer, *([FastStep()] if fast_step else [])]
+    learn = vision_learner(dls, resnet50, metrics=accuracy, pretrained=False, cbs=cbs, **kw).to_bf16()
     learn.model = learn.model.to(memory_format=torch.channels_last)
     # one GPU: a plain fit (fastai's DistributedTrainer assumes a DDP-wrapped model, which one process does not get)
     with learn.distrib_ctx(sync_bn=sync_bn) if world > 1 else contextlib.nullcontext(), \
@@ -105,6 +107,7 @@ CASES = [('the sharded loader alone', ['--loader-only']),
          ('plain PyTorch DDP, a random batch kept on the GPU', ['--synthetic']),
          ("plain PyTorch DDP, a random batch, fastai's model", ['--synthetic', '--fastai-model']),
          ("plain PyTorch DDP fed by dali_fastai, fastai's model", ['--plain-dali', '--fastai-model']),
+         ('fastai + dali_fastai + FastStep, `distrib_ctx(sync_bn=False)`', ['--fast-step']),
          ('fastai + dali_fastai, `distrib_ctx(sync_bn=False)`', []),
          ("fastai + dali_fastai, `distrib_ctx()` (fastai's default `sync_bn=True`)", ['--sync-bn'])]
 
@@ -139,6 +142,7 @@ def main():
     p.add_argument('--sync-bn', action='store_true', help="fastai's distrib_ctx default: BatchNorm synchronised across ranks")
     p.add_argument('--no-bar', action='store_true', help="fastai cases: fit without the progress bar (it reads the loss every batch)")
     p.add_argument('--fused-adamw', action='store_true', help="fastai cases: PyTorch's fused AdamW (OptimWrapper) instead of fastai's Adam")
+    p.add_argument('--fast-step', action='store_true', help="fastai cases: with dali_fastai's FastStep callback")
     p.add_argument('--compare', type=int, default=0, help='run every case on 1 GPU and on this many, print a table')
     p.add_argument('--result', default=None, help='rank 0 writes {"img_s": ...} here')
     a = p.parse_args()
@@ -159,9 +163,9 @@ def main():
         dl = dls.train.shard(rank, world, seed=0).to(torch.device('cuda', torch.cuda.current_device()))
         times,what = plain_epochs(a.epochs, lambda: dl, world, a.fastai_model),f'{model} bf16, dali_fastai shard, plain DDP'
     elif a.loader_only: times,what = loader_epochs(dls.train, a.epochs),'loader only'
-    else: times,what = (fit_epochs(dls, a.epochs, world, a.sync_bn, bar=not a.no_bar, fused=a.fused_adamw),
+    else: times,what = (fit_epochs(dls, a.epochs, world, a.sync_bn, bar=not a.no_bar, fused=a.fused_adamw, fast_step=a.fast_step),
                         f"resnet50 bf16, fastai + dali_fastai, sync_bn={a.sync_bn}{', no progress bar' if a.no_bar else ''}"
-                        f"{', fused AdamW' if a.fused_adamw else ''}")
+                        f"{', fused AdamW' if a.fused_adamw else ''}{', FastStep' if a.fast_step else ''}")
     timed = sum(times[1:])
     img_s = n_imgs*world*(len(times)-1)/timed
     if a.result and rank == 0: Path(a.result).write_text(json.dumps({'img_s': img_s}))
