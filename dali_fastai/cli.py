@@ -105,9 +105,9 @@ def train(path:str|Path|None=None, # ImageNet-style folder; None: the embedded F
           progress:bool|None=None, # fastai's progress bars; default: when printing to a terminal (else one line an epoch)
          )->Learner:
     "Train `arch` on `path` with DALI loaders and print a final metrics line"
+    started = time.perf_counter()  # imports included: they are part of the wait
     from fastai.metrics import accuracy
     from fastai.vision.learner import vision_learner
-    started = time.perf_counter()
     dls = dataloaders_for(path, valid_pct, bs=bs, size=size, device=device, seed=seed, skip_bad_files=skip_bad)
     try: learn = vision_learner(dls, arch_by_name(arch), metrics=accuracy, pretrained=pretrained)
     except (OSError, http.client.HTTPException) as e:  # URLError, refused, timed out, cut off
@@ -185,8 +185,8 @@ def train_detection(path:str|Path|None=None, # COCO or Pascal VOC folder; None: 
                     **kwargs, # `detection_dataloaders`' layout options: box_crop, train_json, images, train_split, skip_bad, ...
                    )->Learner:
     "Train a detector on `path` with DALI loaders and print a final line with COCO mAP (`map`, `map_50`)"
+    started = time.perf_counter()  # imports included: they are part of the wait
     from dali_fastai.detection import small_detector, detection_learner
-    started = time.perf_counter()
     dls = detection_dataloaders(path, size, bs=bs, device=device, seed=seed, **kwargs)
     learn = detection_learner(dls, small_detector(len(dls.vocab), size, arch))
     return fit_and_report(learn, epochs, lr, arch, export, progress, started)
@@ -222,9 +222,9 @@ def train_segmentation(path:str|Path|None=None, # Pascal VOC segmentation or Cam
                        progress:bool|None=None, # fastai's progress bars; default: when printing to a terminal
                       )->Learner:
     "Train fastai's `unet_learner` on `path` with DALI loaders and print a final line with Dice and foreground accuracy"
+    started = time.perf_counter()  # imports included: they are part of the wait
     from fastai.metrics import DiceMulti, foreground_acc
     from fastai.vision.learner import unet_learner
-    started = time.perf_counter()
     dls = segmentation_dataloaders(path, size, seed=seed, bs=bs, device=device, skip_bad_files=skip_bad)
     learn = unet_learner(dls, arch_by_name(arch), pretrained=False, metrics=[DiceMulti(), foreground_acc])
     return fit_and_report(learn, epochs, lr, f'unet {arch}', export, progress, started)

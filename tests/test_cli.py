@@ -233,3 +233,13 @@ def test_bad_image_suggests_skip_bad_flag(tmp_path, loaders_only):
     assert 'broken.png' in e.value.code and 'pass --skip-bad' in e.value.code and 'skip_bad' not in e.value.code, e.value.code
     with pytest.warns(UserWarning, match='broken.png'): cli.main([*args, '--skip-bad'])
     assert len(loaders_only['dls'].train_ds) == 8
+
+
+def test_demo_trains_at_the_embedded_datas_size():
+    "`make demo` trains on the embedded Fashion-MNIST sample at its own size: the command's default (64 px) takes ~5x longer"
+    from dali_fastai.datasets import fashion_mnist_arrays
+    recipe = (Path(__file__).resolve().parents[1]/'Makefile').read_text().split('\ndemo:')[1].split('\n\n')[0]
+    cmd = next(l for l in recipe.splitlines() if l.strip().startswith('$(BIN)/dali-fastai train'))
+    args = cli.parser().parse_args(cmd.strip().rstrip('; \\').split()[1:])
+    assert (args.path, args.size, args.device) == (None, fashion_mnist_arrays()['train_x'].shape[-1], 'cpu')
+    assert 'took' in recipe and 'venv ready in' in recipe, "each step says how long it took"
