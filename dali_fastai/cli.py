@@ -1,4 +1,4 @@
-"""`dali-fastai train`: train an image classifier from a folder (or the embedded Fashion-MNIST sample) with DALI loaders
+"""`dali-fastai train`: train a classifier, a detector or a segmenter from a folder (or the embedded data) with DALI loaders; `dali-fastai bench` and `dali-fastai shards`
 
 Docs: https://dali-fastai.github.io/dali_fastai/cli.html.md"""
 
@@ -6,52 +6,37 @@ Docs: https://dali-fastai.github.io/dali_fastai/cli.html.md"""
 
 # %% auto #0
 __all__ = ['dataloaders_for', 'arch_by_name', 'fit_and_report', 'train', 'detection_dataloaders', 'train_detection',
-           'segmentation_dataloaders', 'train_segmentation', 'parser', 'main']
+           'segmentation_dataloaders', 'train_segmentation', 'as_flags', 'parser', 'main']
 
 # %% ../nbs/06_cli.ipynb #09c440a1
-import argparse, http.client, json, sys, time, warnings
+import argparse, http.client, json, re, sys, time, warnings
+from pathlib import Path
+from fastcore.meta import delegates
 # fastai.layers calls torch.jit.script as it is imported, which newer torch calls deprecated: not the command's user's to act on
 warnings.filterwarnings('ignore', message=r'`torch\.jit\.script` is deprecated', category=FutureWarning)
-from pathlib import Path
-import torch
-import torchvision.models
-from fastai.learner import Learner
-from fastai.metrics import accuracy, DiceMulti, foreground_acc
-from fastai.vision.learner import vision_learner, unet_learner
-from fastai.callback.schedule import fit_one_cycle, lr_find  # noqa: F401 (adds Learner.fit_one_cycle and lr_find)
-from fastai.callback.progress import ProgressCallback
-from fastai.data.transforms import Normalize
-from fastai.vision.augment import Resize, aug_transforms
-from fastai.vision.core import imagenet_stats
-from .datasets import fashion_mnist
-from .data import DaliDataLoaders
-from .bench import (bench, bench_images, detection_bench, segmentation_bench, scale_bench, shards_bench,
-    time_to_accuracy,
-    voc_segmentation_dblock, camvid_dblock)
-from .detection import small_detector, detection_learner
-from .scenes import fashion_scenes
-from .translate import RandomBoxCrop
-from .shards import folder_shards, check_shards
 
 # %% ../nbs/06_cli.ipynb #abb54b89
 def dataloaders_for(path:str|Path|None=None, # ImageNet-style folder; None: the embedded Fashion-MNIST sample
                     valid_pct:float|None=None, # hold out this share of the images at random instead of using `valid/`
-                    **kwargs, # `DaliDataLoaders.from_folder` options: bs, size, device, seed, ...
-                   )->DaliDataLoaders:
+                    **kwargs, # `DaliDataLoaders.from_folder` options: bs, size, device, seed, skip_bad_files, ...
+                   ):
     "`DaliDataLoaders` for a folder with `train/` and `valid/`; with `valid_pct`, a random split of its images"
+    from dali_fastai.datasets import fashion_mnist
+    from dali_fastai.data import DaliDataLoaders
     path = fashion_mnist() if path is None else Path(path)
     if not path.is_dir(): raise FileNotFoundError(f"dataset folder {str(path)!r} does not exist")
     if valid_pct is not None: return DaliDataLoaders.from_folder(path, valid_pct=valid_pct, **kwargs)
     for sub in ('train', 'valid'):
         if not (path/sub).is_dir():
             raise FileNotFoundError(f"{str(path)!r} has no {sub!r} folder: expected {path}/train/<class>/<image> and "
-                                    f"{path}/valid/<class>/<image>; without valid/, pass valid_pct (--valid-pct 0.2 "
-                                    "holds out a random 20% of the images)")
+                                    f"{path}/valid/<class>/<image>; without valid/, pass valid_pct=0.2 to hold out a random "
+                                    "20% of the images for validation")
     return DaliDataLoaders.from_folder(path, **kwargs)
 
 # %% ../nbs/06_cli.ipynb #d3551c74
 def arch_by_name(name:str): # a torchvision model function, e.g. 'resnet18'
     "The torchvision model function called `name`"
+    import torchvision.models
     fn = getattr(torchvision.models, name, None)
     if not callable(fn) or name.startswith('_'):
         raise ValueError(f"unknown architecture {name!r}: use a torchvision model name such as resnet18, resnet34 or resnet50")
@@ -61,6 +46,7 @@ def _no_weights(arch:str, # torchvision model name
                 e:Exception, # why the download failed
                )->str: # one line: what failed, why, and where to put the file by hand
     "The error for pretrained weights that could not be downloaded"
+    import torch, torchvision.models
     folder = Path(torch.hub.get_dir())/'checkpoints'
     try: url = torchvision.models.get_model_weights(arch).DEFAULT.url
     except (ValueError, KeyError, AttributeError): url = None
@@ -69,25 +55,36 @@ def _no_weights(arch:str, # torchvision model name
     return (f"the pretrained {arch} weights could not be downloaded ({reason}): download {what} in {folder} "
             f"(torch's hub cache, torch.hub.get_dir()), or train without --pretrained")
 
-def _quiet(learn:Learner, progress:bool|None):
+def _quiet(learn, progress:bool|None):
     "Without progress bars (not a terminal, or `progress=False`): one plain line an epoch"
+    from fastai.callback.progress import ProgressCallback
     if sys.stdout.isatty() if progress is None else progress: return
     learn.remove_cb(ProgressCallback)
     learn.logger = lambda log: print(' | '.join(f'{n} {v:.4f}' if isinstance(v, float) else f'{n} {v}'
                                                 for n,v in zip(learn.recorder.metric_names, log)))
 
-def fit_and_report(learn:Learner, # a Learner ready to fit
+def _n(k:int, what:str)->str:
+    "`1 epoch`, `2 epochs`"
+    return f"{k} {what}{'' if k == 1 else 's'}"
+
+def fit_and_report(learn, # a fastai `Learner` ready to fit
                    epochs:int, lr:float, # `fit_one_cycle`'s
                    what:str, # the model, for the last line
                    export:str|None=None, # save the trained Learner here with `Learner.export`
                    progress:bool|None=None, # fastai's progress bars; default: when printing to a terminal (else one line an epoch)
-                  )->Learner:
-    "`fit_one_cycle`, then one line: what trained on how many images, where, for how long, and the last epoch's losses and metrics"
+                   started:float|None=None, # `time.perf_counter()` when making the loaders began: a first line says how long they and the model took
+                  ):
+    "`fit_one_cycle`, then one line: what trained on how many images, where, for how long, and the last epoch's losses and metrics; returns `learn`"
+    import fastai.callback.schedule  # noqa: F401 (adds Learner.fit_one_cycle)
     _quiet(learn, progress)
+    dls = learn.dls
+    if started is not None:
+        print(f"loaders ({len(dls.train_ds)} training, {len(dls.valid_ds)} validation images) and {what} ready in "
+              f"{time.perf_counter() - started:.0f}s", flush=True)
     start = time.perf_counter()
     learn.fit_one_cycle(epochs, lr)
     last = ' | '.join(f'{n} {v:.4f}' for n,v in zip(learn.recorder.metric_names[1:-1], learn.recorder.values[-1]))
-    print(f"done: {epochs} epochs of {what} on {len(learn.dls.train_ds)} images ({learn.dls.train.device}) in "
+    print(f"done: {_n(epochs, 'epoch')} of {what} on {len(dls.train_ds)} images ({dls.train.device}) in "
           f"{time.perf_counter() - start:.0f}s | {last}")
     if export: learn.export(Path(export).absolute())
     return learn
@@ -102,33 +99,78 @@ def train(path:str|Path|None=None, # ImageNet-style folder; None: the embedded F
           pretrained:bool=False, # start from ImageNet weights (downloads them once)
           seed:int|None=None, # seed for the split, order and augmentation
           valid_pct:float|None=None, # hold out this share of the images at random (needed when `path` has no `valid/`)
+          skip_bad:bool=False, # leave out images that cannot be decoded (one warning lists them), instead of stopping
           export:str|None=None, # save the trained Learner here with `Learner.export`
           progress:bool|None=None, # fastai's progress bars; default: when printing to a terminal (else one line an epoch)
-         )->Learner:
-    "Train `arch` on `path` with DALI loaders and print a final metrics line"
-    dls = dataloaders_for(path, valid_pct, bs=bs, size=size, device=device, seed=seed)
+         ):
+    "Train `arch` on `path` with DALI loaders, print a final metrics line, and return the `Learner`"
+    started = time.perf_counter()  # imports included: they are part of the wait
+    from fastai.metrics import accuracy
+    from fastai.vision.learner import vision_learner
+    dls = dataloaders_for(path, valid_pct, bs=bs, size=size, device=device, seed=seed, skip_bad_files=skip_bad)
     try: learn = vision_learner(dls, arch_by_name(arch), metrics=accuracy, pretrained=pretrained)
     except (OSError, http.client.HTTPException) as e:  # URLError, refused, timed out, cut off
         if not pretrained: raise
         raise ConnectionError(_no_weights(arch, e)) from e
-    return fit_and_report(learn, epochs, lr, arch, export, progress)
+    return fit_and_report(learn, epochs, lr, arch, export, progress, started)
 
 # %% ../nbs/06_cli.ipynb #0febbc01
+def _detection_tfms(size:int, box_crop:bool)->dict:
+    "fastai's usual detection transforms: `Resize` (or `RandomBoxCrop`) per item, `aug_transforms` and ImageNet's `Normalize` per batch"
+    from fastai.data.transforms import Normalize
+    from fastai.vision.augment import Resize, aug_transforms
+    from fastai.vision.core import imagenet_stats
+    from dali_fastai.translate import RandomBoxCrop
+    return dict(item_tfms=RandomBoxCrop(size) if box_crop else Resize(size),
+                batch_tfms=[*aug_transforms(size=size), Normalize.from_stats(*imagenet_stats)])
+
+def _coco_loaders(path:Path, train_json:str, valid_json:str, images:str|None, valid_images:str|None, **kwargs):
+    "`DaliDataLoaders.from_coco`, after checking the json files and image folders are there"
+    from dali_fastai.data import DaliDataLoaders
+    for arg,j in (('train_json', train_json), ('valid_json', valid_json)):
+        if not (path/j).is_file(): raise FileNotFoundError(f"no COCO json {str(path/j)!r}: pass {arg}, the file's path under {str(path)!r}")
+    default = images is None
+    if default: images = 'JPEGImages' if (path/'JPEGImages').is_dir() else '.'
+    for arg,im in (('images', images), ('valid_images', valid_images)):
+        if im is not None and not (path/im).is_dir():
+            raise FileNotFoundError(f"no image folder {str(path/im)!r}: pass {arg}=DIR, a folder under {str(path)!r}")
+    try: return DaliDataLoaders.from_coco(path, train_json, valid_json, images=(images, valid_images or images), **kwargs)
+    except ValueError as e:
+        if not default or 'does not exist' not in str(e): raise
+        raise ValueError(f"{e}\nthe images were looked for in {str(path/images)!r}: if they are in another folder, pass "
+                         "images=DIR (and valid_images=DIR), the folder(s) the json's file_name values are relative to") from e
+
 def detection_dataloaders(path:str|Path|None=None, # COCO or Pascal VOC folder; None: the embedded scenes
                           size:int=128, # side of the square images
                           box_crop:bool=False, # SSD's IoU-constrained random crop (`RandomBoxCrop`) instead of `Resize`
+                          train_json:str|None=None, # COCO: the training json, under `path`; default: annotations/train.json
+                          valid_json:str|None=None, # COCO: the validation json; default: annotations/valid.json
+                          images:str|None=None, # COCO: the folder under `path` the json's `file_name`s are relative to; default: JPEGImages/ if there, else `path`
+                          valid_images:str|None=None, # COCO: the validation images' folder, when not `images` (COCO 2017: train2017, val2017)
+                          train_split:str|None=None, # Pascal VOC: `ImageSets/Main/<train_split>.txt` lists the training images; default: train
+                          valid_split:str|None=None, # Pascal VOC: and the validation images; default: val
+                          skip_bad:bool=False, # leave out bad annotations and unreadable images (a warning lists them), instead of stopping
                           **kwargs, # `DaliDataLoaders.from_boxes` options: bs, device, seed, ...
-                         )->DaliDataLoaders:
-    "Detection loaders for a COCO folder (`annotations/{train,valid}.json`) or a Pascal VOC folder, with fastai's usual augmentation"
+                         ):
+    "`DaliDataLoaders` for detection from a COCO folder (two json files) or a Pascal VOC folder, with fastai's usual augmentation"
+    from dali_fastai.data import DaliDataLoaders
+    from dali_fastai.scenes import fashion_scenes
     path = fashion_scenes(progress=False) if path is None else Path(path)
-    tfms = dict(item_tfms=RandomBoxCrop(size) if box_crop else Resize(size), batch_tfms=[*aug_transforms(size=size), Normalize.from_stats(*imagenet_stats)])
-    if (path/'annotations'/'train.json').is_file():
-        images = 'JPEGImages' if (path/'JPEGImages').is_dir() else '.'
-        return DaliDataLoaders.from_coco(path, images=images, **tfms, **kwargs)
-    if (path/'Annotations').is_dir() and (path/'ImageSets'/'Main').is_dir(): return DaliDataLoaders.from_voc(path, **tfms, **kwargs)
-    raise FileNotFoundError(f"{str(path)!r} is neither a COCO folder (annotations/train.json and annotations/valid.json) nor "
-                            "a Pascal VOC one (Annotations/*.xml, ImageSets/Main/train.txt and val.txt)")
+    coco,voc = (train_json, valid_json, images, valid_images),(train_split, valid_split)
+    if any(o is not None for o in coco) and any(o is not None for o in voc):
+        raise ValueError("train_json, valid_json, images and valid_images are for a COCO folder, train_split and valid_split "
+                         "for a Pascal VOC one: pass those of one layout")
+    kwargs = dict(**_detection_tfms(size, box_crop), skip_bad=skip_bad, skip_bad_files=skip_bad, **kwargs)
+    if any(o is not None for o in coco) or ((path/'annotations'/'train.json').is_file() and all(o is None for o in voc)):
+        return _coco_loaders(path, train_json or 'annotations/train.json', valid_json or 'annotations/valid.json',
+                             images, valid_images, **kwargs)
+    if (path/'Annotations').is_dir() and (path/'ImageSets'/'Main').is_dir():
+        return DaliDataLoaders.from_voc(path, train_split or 'train', valid_split or 'val', **kwargs)
+    raise FileNotFoundError(f"{str(path)!r} is neither a COCO folder (annotations/train.json and annotations/valid.json; "
+                            "other names: pass train_json and valid_json) nor a Pascal VOC one (Annotations/*.xml, "
+                            "ImageSets/Main/train.txt and val.txt)")
 
+@delegates(detection_dataloaders)
 def train_detection(path:str|Path|None=None, # COCO or Pascal VOC folder; None: the embedded scenes
                     arch:str='fcos', # 'fcos' or 'retinanet' (`small_detector`)
                     epochs:int=10, # epochs of `fit_one_cycle`
@@ -137,22 +179,27 @@ def train_detection(path:str|Path|None=None, # COCO or Pascal VOC folder; None: 
                     lr:float=1e-3, # peak learning rate
                     device:str|None=None, # 'cpu' or 'gpu'; default: the GPU if visible
                     seed:int|None=None, # seed for order and augmentation
-                    box_crop:bool=False, # SSD's IoU-constrained random crop (`RandomBoxCrop`) instead of `Resize`
                     export:str|None=None, # save the trained Learner here
                     progress:bool|None=None, # fastai's progress bars; default: when printing to a terminal
-                   )->Learner:
-    "Train a detector on `path` with DALI loaders and print a final line with COCO mAP (`map`, `map_50`)"
-    dls = detection_dataloaders(path, size, box_crop, bs=bs, device=device, seed=seed)
+                    **kwargs, # `detection_dataloaders`' layout options: box_crop, train_json, images, train_split, skip_bad, ...
+                   ):
+    "Train a detector on `path` with DALI loaders, print a final line with COCO mAP (`map`, `map_50`), and return the `Learner`"
+    started = time.perf_counter()  # imports included: they are part of the wait
+    from dali_fastai.detection import small_detector, detection_learner
+    dls = detection_dataloaders(path, size, bs=bs, device=device, seed=seed, **kwargs)
     learn = detection_learner(dls, small_detector(len(dls.vocab), size, arch))
-    return fit_and_report(learn, epochs, lr, arch, export, progress)
+    return fit_and_report(learn, epochs, lr, arch, export, progress, started)
 
 # %% ../nbs/06_cli.ipynb #8ba43c47
 def segmentation_dataloaders(path:str|Path|None=None, # Pascal VOC segmentation or CamVid folder; None: the embedded scenes
                              size:int=128, # side of the square images
                              seed:int|None=None, # seed for order and augmentation (and a CamVid folder's split without valid.txt)
-                             **kwargs, # `DaliDataLoaders.from_dblock` options: bs, device, void_code, ...
-                            )->DaliDataLoaders:
-    "Segmentation loaders for a Pascal VOC segmentation folder or a CamVid-style one, with fastai's usual augmentation"
+                             **kwargs, # `DaliDataLoaders.from_dblock` options: bs, device, void_code, skip_bad_files, ...
+                            ):
+    "`DaliDataLoaders` for segmentation from a Pascal VOC segmentation folder or a CamVid-style one, with fastai's usual augmentation"
+    from dali_fastai.data import DaliDataLoaders
+    from dali_fastai.bench import voc_segmentation_dblock, camvid_dblock
+    from dali_fastai.scenes import fashion_scenes
     path = fashion_scenes(progress=False) if path is None else Path(path)
     if (path/'SegmentationClass').is_dir() and (path/'ImageSets'/'Segmentation').is_dir():
         dblock,source = voc_segmentation_dblock(path, size, item_size=size),path/'JPEGImages'
@@ -169,20 +216,39 @@ def train_segmentation(path:str|Path|None=None, # Pascal VOC segmentation or Cam
                        lr:float=1e-3, # peak learning rate
                        device:str|None=None, # 'cpu' or 'gpu'; default: the GPU if visible
                        seed:int|None=None, # seed for order and augmentation
+                       skip_bad:bool=False, # leave out images that cannot be decoded (one warning lists them), instead of stopping
                        export:str|None=None, # save the trained Learner here
                        progress:bool|None=None, # fastai's progress bars; default: when printing to a terminal
-                      )->Learner:
-    "Train fastai's `unet_learner` on `path` with DALI loaders and print a final line with Dice and foreground accuracy"
-    dls = segmentation_dataloaders(path, size, seed=seed, bs=bs, device=device)
+                      ):
+    "Train fastai's `unet_learner` on `path` with DALI loaders, print a final line with Dice and foreground accuracy, and return it"
+    started = time.perf_counter()  # imports included: they are part of the wait
+    from fastai.metrics import DiceMulti, foreground_acc
+    from fastai.vision.learner import unet_learner
+    dls = segmentation_dataloaders(path, size, seed=seed, bs=bs, device=device, skip_bad_files=skip_bad)
     learn = unet_learner(dls, arch_by_name(arch), pretrained=False, metrics=[DiceMulti(), foreground_acc])
-    return fit_and_report(learn, epochs, lr, f'unet {arch}', export, progress)
+    return fit_and_report(learn, epochs, lr, f'unet {arch}', export, progress, started)
+
+# %% ../nbs/06_cli.ipynb #df7e4933
+def as_flags(msg:str, # an error message in the words of the Python functions
+             flags:dict, # Python argument -> its flag, e.g. {'bs': '--bs', 'skip_bad': '--skip-bad'}
+            )->str: # the message in the words of the command line
+    "`msg` with the Python arguments it names written as the command's flags"
+    for name in sorted(flags, key=len, reverse=True):  # `valid_images` before `images`
+        at,flag = rf'(?<![\w.-]){re.escape(name)}',flags[name]
+        msg = re.sub(at + r'=True\b', flag, msg)
+        msg = re.sub(at + r'=(?=[^\s,;:)])', flag + ' ', msg)
+        if '_' in name or len(name) <= 2: msg = re.sub(at + r'(?![\w=-])', flag, msg)
+    return msg
 
 # %% ../nbs/06_cli.ipynb #3e829726
 def parser()->argparse.ArgumentParser:
     "The `dali-fastai` command line"
     p = argparse.ArgumentParser(prog='dali-fastai', description="fastai training fed by NVIDIA DALI pipelines")
     sub = p.add_subparsers(dest='command', required=True)
-    t = sub.add_parser('train', help="train an image classifier", description=train.__doc__)
+    t = sub.add_parser('train', help="train a classifier, a detector or a segmenter",
+                       description="Train a classifier (ImageNet-style folder), a detector (COCO or Pascal VOC folder) or a "
+                       "segmenter (Pascal VOC segmentation or CamVid folder) with DALI loaders, by default on the embedded "
+                       "data, and print a line an epoch and a final metrics line")
     t.add_argument('path', nargs='?', default=None, help="ImageNet-style folder: train/<class>/* and valid/<class>/*; "
                    "valid/ is optional, but without it pass --valid-pct; default: the embedded Fashion-MNIST sample")
     t.add_argument('--task', choices=['classification', 'detection', 'segmentation'], default='classification',
@@ -201,10 +267,24 @@ def parser()->argparse.ArgumentParser:
     t.add_argument('--seed', type=int, default=None, help="seed for split, order and augmentation")
     t.add_argument('--valid-pct', type=float, default=None, help="hold out this share of the images at random for "
                    "validation (e.g. 0.2) instead of valid/; needed when PATH has no valid/ folder")
+    t.add_argument('--skip-bad', action='store_true', help="leave out images that cannot be decoded (detection: and bad "
+                   "annotations), with a warning listing them, instead of stopping")
     t.add_argument('--export', default=None, help="save the trained Learner (Learner.export) to this file")
-    t.add_argument('--box-crop', action='store_true', help="detection: SSD's IoU-constrained random crop (RandomBoxCrop) "
+    d = t.add_argument_group('detection', "--task detection: a COCO or Pascal VOC folder whose files are not where the "
+                             "embedded scenes have them, and SSD's crop")
+    d.add_argument('--box-crop', action='store_true', help="SSD's IoU-constrained random crop (RandomBoxCrop) "
                    "instead of Resize per item")
-    b = sub.add_parser('bench', help="measure loader and training throughput side by side", description=bench.__doc__)
+    d.add_argument('--train-json', metavar='FILE', help="COCO: the training json, under PATH (default: annotations/train.json)")
+    d.add_argument('--valid-json', metavar='FILE', help="COCO: the validation json (default: annotations/valid.json)")
+    d.add_argument('--images', metavar='DIR', help="COCO: the folder under PATH that the json's file_name values are "
+                   "relative to (default: JPEGImages if there, else PATH)")
+    d.add_argument('--valid-images', metavar='DIR', help="COCO: the validation images' folder, when not --images "
+                   "(COCO 2017: --images train2017 --valid-images val2017)")
+    d.add_argument('--train-split', metavar='NAME', help="Pascal VOC: ImageSets/Main/NAME.txt lists the training images (default: train)")
+    d.add_argument('--valid-split', metavar='NAME', help="Pascal VOC: ImageSets/Main/NAME.txt lists the validation images (default: val)")
+    b = sub.add_parser('bench', help="measure loader and training throughput side by side",
+                       description="Measure dali_fastai against fastai's default loader, a bare DALI iterator and synthetic "
+                       "batches; print a table")
     b.add_argument('path', nargs='?', default=None, help="ImageNet-style folder; default: a set made from scikit-image's "
                    "sample photos (see --n-per-class); detection: a COCO folder, default the embedded scenes")
     b.add_argument('--task', choices=['classification', 'detection', 'segmentation', 'shards', 'accuracy'], default='classification',
@@ -232,31 +312,36 @@ def parser()->argparse.ArgumentParser:
                        description="Write SRC (ImageNet-style: train/<class>/*, valid/<class>/*) as shards in DEST "
                        "(train-*.tar and valid-*.tar, or train-*.tfrecord and valid-*.tfrecord; their DALI indexes; "
                        "vocab.txt), or with --check and one folder, read every sample of its shards back")
-    w.add_argument('paths', nargs='+', metavar='SRC DEST', help="the image folder and the shards' folder; with --check: the shards' folder")
+    w.add_argument('src', metavar='SRC', help="the image folder; with --check and no DEST: the shards' folder")
+    w.add_argument('dest', metavar='DEST', nargs='?', default=None, help="the shards' folder")
     w.add_argument('--format', choices=['webdataset', 'tfrecord'], default='webdataset', help="shard format (default: webdataset)")
     w.add_argument('--shard-size', type=int, default=10_000, help="samples a shard (default: 10000)")
     w.add_argument('--seed', type=int, default=0, help="seed of the training shards' order (default: 0)")
     w.add_argument('--check', action='store_true', help="read every sample back (after writing, or alone)")
     return p
 
-def _shards(paths:list, format:str, shard_size:int, seed:int, check:bool):
+def _shards(src:str, dest:str|None, format:str, shard_size:int, seed:int, check:bool):
     "`folder_shards` and/or `check_shards`, with a line saying what was done"
-    if len(paths) > 2 or (len(paths) == 1 and not check):
-        raise ValueError("give SRC and DEST to write shards, or --check and one folder of shards to check")
-    if len(paths) == 2:
-        written = folder_shards(*paths, shard_size=shard_size, seed=seed, format=format)
-        print(f"wrote {', '.join(f'{len(v)} {k} shards' for k,v in written.items())} in {paths[1]}")
-    if check: print(f"checked {check_shards(paths[-1])} samples in {paths[-1]}: all readable")
+    from dali_fastai.shards import folder_shards, check_shards
+    if dest is None and not check: raise ValueError("give SRC and DEST to write shards, or --check and one folder of shards to check")
+    if dest is not None:
+        written = folder_shards(src, dest, shard_size=shard_size, seed=seed, format=format)
+        print(f"wrote {', '.join(f'{len(v)} {k} shards' for k,v in written.items())} in {dest}")
+    folder = src if dest is None else dest
+    if check: print(f"checked {check_shards(folder)} samples in {folder}: all readable")
 
-def _train(task:str, arch:str|None, valid_pct:float|None=None, pretrained:bool=False, box_crop:bool=False, **kwargs):
+_DETECTION = ('box_crop', 'train_json', 'valid_json', 'images', 'valid_images', 'train_split', 'valid_split')
+
+def _train(task:str, arch:str|None, valid_pct:float|None=None, pretrained:bool=False, **kwargs):
     "`train`, `train_detection` or `train_segmentation`, each with its own defaults for what the command line leaves unset"
-    kwargs = {k: v for k,v in kwargs.items() if v is not None}
-    if box_crop and task != 'detection': raise ValueError("--box-crop crops around boxes: it is for --task detection")
+    kwargs = {k: v for k,v in kwargs.items() if v is not None and v is not False}
+    if task != 'detection' and (det := [k for k in _DETECTION if k in kwargs]):
+        raise ValueError(f"{', '.join('--' + k.replace('_', '-') for k in det)}: for --task detection only")
     if task == 'classification': return train(arch=arch or 'resnet18', valid_pct=valid_pct, pretrained=pretrained, **kwargs)
     if valid_pct is not None or pretrained: raise ValueError(f"--valid-pct and --pretrained are for classification: {task} "
                                                              "reads the splits of its annotations and trains from scratch")
     if task == 'segmentation': return train_segmentation(arch=arch or 'resnet34', **kwargs)
-    return train_detection(arch=arch or 'fcos', box_crop=box_crop, **kwargs)
+    return train_detection(arch=arch or 'fcos', **kwargs)
 
 def _saved(res, out, name:str):
     "`res`, written as JSON to `out/name`"
@@ -266,6 +351,8 @@ def _saved(res, out, name:str):
 def _bench(task:str, path, n_per_class:int, size:int|None, bs:int|None, archs:str|None, fastai_loader:bool, out:str,
            scale:bool=False, sizes:str='', epochs:int=5, **kwargs):
     "`bench`, `detection_bench`, `segmentation_bench`, `shards_bench`, `time_to_accuracy` or `scale_bench`, each with its own defaults for what the command line leaves unset"
+    from dali_fastai.bench import (bench, bench_images, detection_bench, segmentation_bench, scale_bench, shards_bench,
+                                   time_to_accuracy)
     if scale:
         return _saved(scale_bench(tuple(int(n) for n in sizes.split(',') if n), path), out, 'scale.json')
     if task == 'accuracy':
@@ -284,12 +371,19 @@ def _bench(task:str, path, n_per_class:int, size:int|None, bs:int|None, archs:st
     return bench(path if path is not None else bench_images(n_per_class=n_per_class), size, bs, archs=archs,
                  fastai_loader=fastai_loader, out=out, **kwargs)
 
+_FLAG_OF = {'n_batches': '--batches', 'skip_bad_files': '--skip-bad'}  # Python arguments whose flag is not the name with dashes
+_NO_FLAG = ('path', 'src', 'dest', 'fastai_loader')  # positionals, and --no-fastai (which says the opposite)
+
+def _flags(args:dict)->dict:
+    "Python argument -> flag, for the parsed arguments of one command (for `as_flags`)"
+    names = [k for k in args if k not in _NO_FLAG] + (['skip_bad_files'] if 'skip_bad' in args else [])
+    return {k: _FLAG_OF.get(k, '--' + k.replace('_', '-')) for k in names}
+
 def main(argv:list|None=None): # arguments; default: `sys.argv[1:]`
-    "Entry point of the `dali-fastai` command"
+    "Entry point of the `dali-fastai` command: parse the arguments, then import torch, fastai and DALI and run the command"
     args = vars(parser().parse_args(argv))
     command = args.pop('command')
-    try:
-        if command == 'train': _train(**args)
-        if command == 'bench': _bench(**args)
-        if command == 'shards': _shards(**args)
-    except (FileNotFoundError, ValueError, ConnectionError) as e: sys.exit(f"dali-fastai {command}: error: {e}")
+    run = {'train': _train, 'bench': _bench, 'shards': _shards}[command]
+    try: run(**args)
+    except (FileNotFoundError, ValueError, ConnectionError) as e:
+        sys.exit(f"dali-fastai {command}: error: {as_flags(str(e), _flags(args))}")

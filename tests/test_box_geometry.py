@@ -106,6 +106,14 @@ CASES = {  # name: (item_tfms, batch_tfms, IoU bound); boxes of 20-40 output pix
     'rotate': (Resize(96), [Rotate(max_deg=25, p=1.)], 0.7),
     'warp': (Resize(96), [Warp(magnitude=0.3, p=1.)], 0.7),
     'aug_transforms': (Resize(112), aug_transforms(size=96), 0.7),
+    # height and width differ at every step (the images are 96x128): scaling x by the height, or y by the width, moves the boxes
+    'resize squish 96x160': (Resize((96, 160), method='squish'), [], 0.9),
+    'resize crop 80x128': (Resize((80, 128)), [], 0.9),
+    'resize pad 112x128': (Resize((112, 128), method='pad', pad_mode='zeros'), [], 0.9),
+    'flip 96x160': (Resize((96, 160), method='squish'), [Flip(p=1.)], 0.9),
+    'zoom 96x160': (Resize((96, 160), method='squish'), [Zoom(min_zoom=1.1, max_zoom=1.3, p=1.)], 0.9),
+    'rotate 96x160': (Resize((96, 160), method='squish'), [Rotate(max_deg=20, p=1.)], 0.7),
+    'aug_transforms 96x144': (Resize((112, 160)), aug_transforms(size=(96, 144), pad_mode='zeros'), 0.7),  # no mirrored rectangles
 }
 
 
@@ -117,9 +125,10 @@ def test_boxes_follow_the_augmentation(scenes, case):
     check_boxes(dls.valid, 0.9)
 
 
-def test_points_follow_the_augmentation(scenes):
-    "A point on a rectangle's centre stays on the centre of its moved rectangle, within 1.5 pixels"
-    dls = loaders(scenes, Resize(96, method='squish'), aug_transforms(size=96, max_rotate=20., max_warp=0.),
+@pytest.mark.parametrize('size', [96, (96, 160)], ids=['square', '96x160'])
+def test_points_follow_the_augmentation(scenes, size):
+    "A point on a rectangle's centre stays on the centre of its moved rectangle, within 1.5 pixels (square and wide batches)"
+    dls = loaders(scenes, Resize(size, method='squish'), aug_transforms(size=size, max_rotate=20., max_warp=0.),
                   blocks=(ImageBlock, PointBlock), shuffle=False)  # the batch in the items' order
     root,ann = scenes
     x,pts = dls.train.one_batch()

@@ -1,5 +1,6 @@
-"The `dali-fastai` command: a folder without valid/, --valid-pct, and --pretrained with no network (one line, no traceback)"
-import sys
+"""The `dali-fastai` command: a folder without valid/, --valid-pct, --pretrained with no network (one line, no traceback),
+nothing heavy imported before the arguments are parsed, detection folders laid out otherwise, and errors in flags"""
+import json, shutil, subprocess, sys
 from pathlib import Path
 from urllib.error import URLError
 
@@ -58,7 +59,7 @@ def test_other_errors_are_not_called_network_errors(tmp_path, monkeypatch):
     "Without --pretrained nothing is downloaded, and an OSError of the model is not reworded as a download failure"
     data = image_folder(tmp_path/'data')
     def broken(*args, **kwargs): raise OSError('disk on fire')
-    monkeypatch.setattr(cli, 'vision_learner', broken)
+    monkeypatch.setattr('fastai.vision.learner.vision_learner', broken)  # `train` imports it when it runs
     with pytest.raises(OSError, match='disk on fire') as e: cli.train(data, device='cpu', epochs=1, bs=2, size=16)
     assert not isinstance(e.value, ConnectionError)
 
@@ -106,7 +107,7 @@ def test_train_detection_from_the_command_line(tmp_path, capsys):
     scenes = fashion_scenes(tmp_path/'scenes', n_train=16, n_valid=8, size=96, progress=False)
     cli.main(['train', '--task', 'detection', str(scenes), '--device', 'cpu', '--epochs', '1', '--bs', '8', '--size', '64'])
     last = capsys.readouterr().out.strip().splitlines()[-1]
-    assert last.startswith('done: 1 epochs of fcos on 16 images (cpu)') and '| map ' in last and '| map_50 ' in last
+    assert last.startswith('done: 1 epoch of fcos on 16 images (cpu)') and '| map ' in last and '| map_50 ' in last
     with pytest.raises(SystemExit, match='--valid-pct and --pretrained are for classification'):
         cli.main(['train', '--task', 'detection', str(scenes), '--valid-pct', '0.2'])
 
@@ -120,3 +121,125 @@ def test_bench_detection_from_the_command_line(tmp_path, capsys, monkeypatch):
               '--warmup', '1', '--passes', '1', '--workers', '0'])  # fastai's workers forked beside DALI's threads can crash
     out = capsys.readouterr().out
     assert 'dali_fastai detection train' in out and 'fastai detection train' in out and "x fastai's" in out
+
+
+HEAVY = {'torch', 'torchvision', 'fastai', 'nvidia'}
+
+@pytest.mark.parametrize('code', ["from dali_fastai.cli import parser; parser().parse_args(['train', '--task', 'detection'])",
+                                  "from dali_fastai.cli import main; main(['--help'])",
+                                  "from dali_fastai.cli import main; main(['train', '--help'])",
+                                  "from dali_fastai.cli import main; main(['train', '--bs', 'x'])"])
+def test_parsing_imports_nothing_heavy(code):
+    "`dali-fastai --help` (and a mistyped flag) answers before torch, fastai or DALI is imported: they take seconds"
+    probe = f"import sys\ntry: {code}\nexcept SystemExit: pass\nprint(sorted({{m.split('.')[0] for m in sys.modules}} & {HEAVY!r}))"
+    r = subprocess.run([sys.executable, '-c', probe], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[-1] == '[]', r.stdout
+
+
+def test_help_texts(capsys):
+    with pytest.raises(SystemExit): cli.main(['--help'])
+    assert 'train a classifier, a detector or a segmenter' in capsys.readouterr().out
+    with pytest.raises(SystemExit): cli.main(['shards', '--help'])
+    usage = capsys.readouterr().out.split('\n\n')[0]
+    assert (usage.count('SRC'), usage.count('DEST')) == (1, 1), usage
+    with pytest.raises(SystemExit): cli.main(['train', '--help'])
+    out = ' '.join(capsys.readouterr().out.split())
+    for flag in ('--images DIR', '--valid-images DIR', '--train-json FILE', '--valid-json FILE', '--train-split NAME',
+                 '--valid-split NAME', '--skip-bad'): assert flag in out, flag
+
+
+@pytest.fixture(scope='module')
+def scenes(tmp_path_factory):
+    "The embedded scenes, small: COCO json, Pascal VOC XML and the images in JPEGImages/"
+    from dali_fastai.scenes import fashion_scenes
+    return fashion_scenes(tmp_path_factory.mktemp('scenes')/'scenes', n_train=16, n_valid=8, size=96, progress=False)
+
+
+def coco2017(scenes:Path, root:Path)->Path:
+    "The scenes laid out as COCO 2017 is: annotations/instances_{train,val}2017.json, images in train2017/ and val2017/"
+    (root/'annotations').mkdir(parents=True)
+    for split,name in (('train', 'train2017'), ('valid', 'val2017')):
+        shutil.copy(scenes/'annotations'/f'{split}.json', root/'annotations'/f'instances_{name}.json')
+        (root/name).mkdir()
+        for f in (scenes/'JPEGImages').glob(f'{split}_*.jpg'): shutil.copy(f, root/name)
+    return root
+
+
+@pytest.fixture
+def loaders_only(monkeypatch):
+    "`fit_and_report` records the Learner's loaders instead of training: the command's loaders, without the minutes"
+    seen = {}
+    monkeypatch.setattr(cli, 'fit_and_report', lambda learn, *args, **kwargs: seen.update(dls=learn.dls))
+    return seen
+
+
+def test_detection_folder_laid_out_as_coco2017(scenes, tmp_path, loaders_only):
+    root = coco2017(scenes, tmp_path/'coco')
+    with pytest.raises(SystemExit, match='neither a COCO folder .* pass --train-json and --valid-json'):
+        cli.main(['train', '--task', 'detection', str(root)])
+    with pytest.raises(SystemExit, match=r"no COCO json '.*annotations/valid.json': pass --valid-json, the file's path"):
+        cli.main(['train', '--task', 'detection', str(root), '--train-json', 'annotations/instances_train2017.json'])
+    jsons = ['--train-json', 'annotations/instances_train2017.json', '--valid-json', 'annotations/instances_val2017.json']
+    with pytest.raises(SystemExit) as e: cli.main(['train', '--task', 'detection', str(root), *jsons, '--device', 'cpu'])
+    assert 'pass --images DIR (and --valid-images DIR), the folder(s)' in e.value.code, e.value.code
+    with pytest.raises(SystemExit, match=r"no image folder '.*val2017x': pass --valid-images DIR, a folder under"):
+        cli.main(['train', '--task', 'detection', str(root), *jsons, '--images', 'train2017', '--valid-images', 'val2017x'])
+    cli.main(['train', '--task', 'detection', str(root), *jsons, '--images', 'train2017', '--valid-images', 'val2017',
+              '--bs', '8', '--size', '64', '--device', 'cpu'])
+    dls = loaders_only['dls']
+    assert (len(dls.train_ds), len(dls.valid_ds)) == (16, 8)
+    assert {f.parent.name for f in dls.train.items.files} == {'train2017'}
+    assert {f.parent.name for f in dls.valid.items.files} == {'val2017'}
+
+
+def test_detection_voc_split_names(scenes, tmp_path, loaders_only):
+    voc = tmp_path/'voc'
+    shutil.copytree(scenes, voc, ignore=shutil.ignore_patterns('annotations'))  # Pascal VOC only
+    (voc/'ImageSets'/'Main'/'val.txt').rename(voc/'ImageSets'/'Main'/'test.txt')
+    with pytest.raises(SystemExit, match="no split file"): cli.main(['train', '--task', 'detection', str(voc)])
+    cli.main(['train', '--task', 'detection', str(voc), '--valid-split', 'test', '--bs', '8', '--size', '64', '--device', 'cpu'])
+    assert len(loaders_only['dls'].valid_ds) == 8
+    with pytest.raises(SystemExit, match='--box-crop, --train-split: for --task detection only'):
+        cli.main(['train', str(voc), '--box-crop', '--train-split', 'train'])
+
+
+def test_errors_name_flags_not_arguments(scenes):
+    "A batch larger than the training set: the message says --bs, not bs="
+    with pytest.raises(SystemExit) as e: cli.main(['train', '--task', 'detection', str(scenes), '--bs', '32', '--device', 'cpu'])
+    msg = e.value.code
+    assert '--bs 32' in msg and 'bs=' not in msg, msg
+
+
+def test_bad_annotation_suggests_skip_bad_flag(scenes, tmp_path, loaders_only):
+    "A box of zero width stops the command with --skip-bad as the way on (not skip_bad=True), and --skip-bad goes on"
+    coco = tmp_path/'coco'
+    shutil.copytree(scenes, coco, ignore=shutil.ignore_patterns('Annotations', 'ImageSets'))
+    d = json.loads((coco/'annotations'/'train.json').read_text())
+    d['annotations'][0]['bbox'][2] = 0
+    (coco/'annotations'/'train.json').write_text(json.dumps(d))
+    args = ['train', '--task', 'detection', str(coco), '--bs', '8', '--size', '64', '--device', 'cpu']
+    with pytest.raises(SystemExit) as e: cli.main(args)
+    assert 'pass --skip-bad to skip them' in e.value.code and 'skip_bad' not in e.value.code, e.value.code
+    with pytest.warns(UserWarning, match='skipped 1 bad annotation'): cli.main([*args, '--skip-bad'])
+    assert len(loaders_only['dls'].train_ds) == 16
+
+
+def test_bad_image_suggests_skip_bad_flag(tmp_path, loaders_only):
+    data = image_folder(tmp_path/'data')
+    (data/'train'/'dark'/'broken.png').write_bytes(b'not an image')
+    args = ['train', str(data), '--bs', '2', '--size', '8', '--device', 'cpu']
+    with pytest.raises(SystemExit) as e: cli.main(args)
+    assert 'broken.png' in e.value.code and 'pass --skip-bad' in e.value.code and 'skip_bad' not in e.value.code, e.value.code
+    with pytest.warns(UserWarning, match='broken.png'): cli.main([*args, '--skip-bad'])
+    assert len(loaders_only['dls'].train_ds) == 8
+
+
+def test_demo_trains_at_the_embedded_datas_size():
+    "`make demo` trains on the embedded Fashion-MNIST sample at its own size: the command's default (64 px) takes ~5x longer"
+    from dali_fastai.datasets import fashion_mnist_arrays
+    recipe = (Path(__file__).resolve().parents[1]/'Makefile').read_text().split('\ndemo:')[1].split('\n\n')[0]
+    cmd = next(l for l in recipe.splitlines() if l.strip().startswith('$(BIN)/dali-fastai train'))
+    args = cli.parser().parse_args(cmd.strip().rstrip('; \\').split()[1:])
+    assert (args.path, args.size, args.device) == (None, fashion_mnist_arrays()['train_x'].shape[-1], 'cpu')
+    assert 'took' in recipe and 'venv ready in' in recipe, "each step says how long it took"

@@ -50,7 +50,8 @@ def test_callback_passes_targets():
 def test_train_step_and_predictions(batch, arch):
     x,bx,lb,_,_ = batch
     torch.manual_seed(0)
-    model = DetectionAdapter(small_detector(4, (H, W), arch=arch, fpn_channels=64))
+    # score_thresh=0: the untrained model's detections all count, so the decoding below runs on real, non-square boxes
+    model = DetectionAdapter(small_detector(4, (H, W), arch=arch, fpn_channels=64, score_thresh=0.))
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     loss = detection_loss(model(x, bx, lb), bx, lb)
     assert loss.ndim == 0 and torch.isfinite(loss)
@@ -63,12 +64,33 @@ def test_train_step_and_predictions(batch, arch):
     assert torch.isfinite(detection_loss(out))
     boxes,labels,scores = DetectionLoss().activation(out)  # fastai's coordinates, zeros and #na# past the detections
     real = scores > 0
+    assert real.sum() >= 10, "the check below needs detections"
+    px = d['boxes'][real]
+    assert (px[:, 2] - px[:, 0] != px[:, 3] - px[:, 1]).any() and px[:, [0, 2]].max() > H, "boxes that tell x from y"
     assert isinstance(boxes, TensorBBox) and boxes.abs().max() <= 1 and (boxes[~real] == 0).all() and (labels[~real] == 0).all()
     assert torch.allclose((boxes[real] + 1) * torch.tensor([W, H, W, H])/2, d['boxes'][real], atol=1e-4)
     model.valid_loss = False
     with torch.no_grad(): out = model(x, bx, lb)
     assert out['losses'] == {} and math.isnan(detection_loss(out).item())
     assert not any(m.training for m in model.modules())
+
+def test_activation_decodes_a_known_detection():
+    "A detection in pixels of a 48x64 (h x w) image, in fastai's [-1, 1]: x over the width, y over the height"
+    d = {'boxes': torch.tensor([[[8., 6., 56., 42.], [0., 0., 0., 0.]]]), 'scores': torch.tensor([[0.9, 0.]]),
+         'labels': torch.tensor([[2, 0]])}
+    pred = {'losses': {}, 'detections': d, 'size': torch.tensor([[H, W]], dtype=torch.float32)}
+    boxes,labels,scores = DetectionLoss().activation(pred)
+    assert torch.allclose(boxes[0, 0], torch.tensor([8*2/W - 1, 6*2/H - 1, 56*2/W - 1, 42*2/H - 1]))
+    assert (boxes[0, 1] == 0).all() and labels.tolist() == [[2, 0]] and torch.equal(scores, d['scores'])
+    back = fastai_to_targets(boxes, labels, (H, W))[0]  # and back to the pixels torchvision and the mAP use
+    assert torch.allclose(back['boxes'], d['boxes'][0, :1], atol=1e-4) and back['labels'].tolist() == [2]
+
+def test_adapter_reports_height_then_width():
+    "`DetectionAdapter`'s `size` is (h, w) of the batch: what `activation` divides y and x by"
+    torch.manual_seed(0)
+    model = DetectionAdapter(small_detector(4, (H, W), fpn_channels=64)).eval()
+    with torch.no_grad(): out = model(torch.randn(2, 3, H, W))
+    assert out['size'].tolist() == [[H, W], [H, W]]
 
 def fake_learn(x, bx, lb, dets):
     return SimpleNamespace(xb=(x, bx, lb), yb=(bx, lb), pred={'losses': {}, 'detections': padded_detections(dets, 8)})

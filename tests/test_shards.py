@@ -176,3 +176,34 @@ def test_dblock_shards_refuses_masks_and_stale_targets(tmp_path):
     (tmp_path/'b'/'targets.pkl').replace(tmp_path/'a'/'targets.pkl')  # 6 training targets for 6 records, 1 valid for 2
     with pytest.raises(ValueError, match=r"2 records in .* but \[1\] rows of targets"):
         DaliDataLoaders.from_webdataset(tmp_path/'a', bs=2, size=8, device=DEVICE)
+
+
+def test_tfrecord_feature_names_are_read(tmp_path):
+    "Records whose features are named otherwise than ImageNet's: `image_key` and `label_key` name them, every label read"
+    from dali_fastai.shards import tf_example, tf_record
+    files = make_index_images(tmp_path/'images', 12)
+    for split,idx in (('train', range(8)), ('valid', range(8, 12))):
+        (tmp_path/f'{split}-000000.tfrecord').write_bytes(b''.join(
+            tf_record(tf_example(files[i].read_bytes(), i, image_key='jpeg', label_key='class/id')) for i in idx))
+    (tmp_path/'vocab.txt').write_text('\n'.join(VOCAB) + '\n')
+    dls = DaliDataLoaders.from_tfrecord(tmp_path, image_key='jpeg', label_key='class/id', bs=4, size=8, device=DEVICE,
+                                        seed=0, drop_last=False)
+    assert sorted(flat(epoch_items(dls.train))) == list(range(8))  # labels agree with the pixels (not all 0, not -1)
+    assert flat(epoch_items(dls.valid)) == list(range(8, 12))
+
+
+def test_webdataset_keys_end_at_the_first_dot(tmp_path):
+    "A sample's files share the name up to the first dot of the file name (`k.seg.png` belongs to `k`), as DALI reads them"
+    import io, tarfile
+    files = make_index_images(tmp_path/'images', 10)
+    for split,idx in (('train', range(6)), ('valid', range(6, 10))):
+        with tarfile.open(tmp_path/f'{split}-000000.tar', 'w') as tar:
+            for i in idx:
+                for name,data in ((f'set.v2/{i:03d}.png', files[i].read_bytes()), (f'set.v2/{i:03d}.cls', str(i).encode()),
+                                  (f'set.v2/{i:03d}.seg.png', files[(i + 1) % 10].read_bytes())):  # another image: not this sample's
+                    info = tarfile.TarInfo(name); info.size = len(data); tar.addfile(info, io.BytesIO(data))
+    (tmp_path/'vocab.txt').write_text('\n'.join(VOCAB) + '\n')
+    dls = DaliDataLoaders.from_webdataset(tmp_path, bs=2, size=8, device=DEVICE, seed=0, drop_last=False)
+    assert (len(dls.train.items), len(dls.valid.items)) == (6, 4)
+    assert sorted(flat(epoch_items(dls.train))) == list(range(6))  # each sample's own .png, with its own .cls
+    assert flat(epoch_items(dls.valid)) == list(range(6, 10))

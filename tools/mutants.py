@@ -71,6 +71,29 @@ MUTANTS = [
     ('loader', 'if self.taken >= self.n: continue', 'if self.taken > self.n: continue', 'the loader stops at len'),
     ('loader', 'pad=not (self.shuffle or self.drop_last))', 'pad=False)', 'sharded in-order epochs see every item'),
     ('pipeline', 'pad_last_batch=True,', 'pad_last_batch=False,', 'exactly once per epoch'),
+    # height and width, on images that are not square
+    ('detection', "d,(h,w) = pred['detections'],pred['size'].unbind(-1)", "d,(w,h) = pred['detections'],pred['size'].unbind(-1)",
+                  'detections decoded x over the width'),
+    ('detection', "x.new_tensor(list(x.shape[-2:]), dtype=torch.float32)", "x.new_tensor(list(x.shape[-2:])[::-1], dtype=torch.float32)",
+                  "the detector's output size is (h, w)"),
+    ('targets', 'h,w = self.out_hw', 'w,h = self.out_hw', 'boxes and points scaled x over the width'),
+    ('targets', 'pts.new_tensor([self.item_hw[1], self.item_hw[0]])', 'pts.new_tensor([self.item_hw[0], self.item_hw[1]])',
+                'window to item pixels, x over the width'),
+    # each split and each record read from where the arguments say
+    ('data', 'TFRecordItems(s, v, image_key, label_key, label_offset, targets=t)',
+             'TFRecordItems(s, v, image_key, label_offset=label_offset, targets=t)', "from_tfrecord reads label_key"),
+    ('data', 'zip((train_json, valid_json), ims)', 'zip((train_json, train_json), ims)', 'from_coco validates on valid_json'),
+    ('data', 'for s in (train_split, valid_split)]', 'for s in (train_split, train_split)]', 'from_voc validates on valid_split'),
+    ('shardindex', "d = name.find('.', name.rfind('/') + 1)", "d = name.rfind('.')", 'WebDataset keys end at the first dot'),
+    # masks: sampled (not blended) at pixel centres, and with their own images on every rank
+    ('masks', "interp_type=types.INTERP_NN, pixel_origin='center')", "interp_type=types.INTERP_LINEAR, pixel_origin='center')",
+              'masks resampled nearest'),
+    ('masks', "interp_type=types.INTERP_NN, pixel_origin='center')", "interp_type=types.INTERP_NN, pixel_origin='corner')",
+              'masks sampled at pixel centres'),
+    ('loader', 'side = [[f[i] for i in idx] for f in', 'side = [list(f) for f in', 'sharded in-order masks stay with their images'),
+    # item flips: a coin of probability p for each item
+    ('translate', 'dihedral_mat, p=tfm.p)', 'dihedral_mat, p=tfm.p, batch=True)', 'FlipItem, DihedralItem: a coin per item'),
+    ('translate', 'dihedral_mat, p=tfm.p)', 'dihedral_mat, p=min(1., 2*tfm.p))', 'FlipItem(p), DihedralItem(p)'),
 ]
 
 FAST = ['tests/test_defaults.py', 'tests/test_augment_stats.py']
@@ -80,7 +103,14 @@ SELECTIONS = {  # per module: pytest arguments, relative to the repository root
     'callbacks': ['tests/test_callbacks.py'],
     'loader': ['tests/test_loader_edges.py', 'tests/test_defaults.py', 'tests/test_distributed.py',
                '--deselect', 'tests/test_distributed.py::test_two_processes_through_distrib_ctx',
-               'tests/test_reliability.py::test_exactly_once', 'tests/test_reliability.py::test_get_preds_exactly_once'],
+               'tests/test_reliability.py::test_exactly_once', 'tests/test_reliability.py::test_get_preds_exactly_once',
+               'tests/test_mask_sampling.py'],
+    'detection': ['tests/test_detection.py'],
+    'targets': ['tests/test_box_geometry.py'],
+    'data': ['tests/test_shards.py', 'tests/test_coco_voc_loaders.py'],
+    'shardindex': ['tests/test_shards.py'],
+    'masks': ['tests/test_mask_sampling.py'],
+    'translate': ['tests/test_mask_sampling.py'],
 }
 ALL_TESTS = ['tests', '--ignore', 'tests/test_notebooks.py']
 
