@@ -287,11 +287,16 @@ def parser()->argparse.ArgumentParser:
                        "batches; print a table")
     b.add_argument('path', nargs='?', default=None, help="ImageNet-style folder; default: a set made from scikit-image's "
                    "sample photos (see --n-per-class); detection: a COCO folder, default the embedded scenes")
-    b.add_argument('--task', choices=['classification', 'detection', 'segmentation', 'shards', 'accuracy'], default='classification',
+    b.add_argument('--task', choices=['classification', 'detection', 'segmentation', 'shards', 'accuracy', 'step'], default='classification',
                    help="classification, or detection or segmentation: DALI's loader beside fastai's on one DataBlock; shards: "
                    "the folder's loader beside loaders over its WebDataset and TFRecord shards; accuracy: time to accuracy, "
-                   "the first of --archs trained --epochs from scratch on fastai's loaders and on dali_fastai's (default "
-                   "set: bench_images(n_per_class=2000))")
+                   "the first of --archs trained --epochs from scratch on fastai's loaders and on dali_fastai's, with and "
+                   "without FastStep (default set: bench_images(n_per_class=2000)); step: the training step side by side (a "
+                   "plain PyTorch loop, fastai, fastai + FastStep, + FastStep(graph=True)) for --archs at bs 64 and 256 "
+                   "(--bs: one of them), then a U-Net and FCOS on the embedded scenes (GPU)")
+    b.add_argument('--peers', action='store_true', help="also time the loaders users would pick instead: GPU decoding with "
+                   "fastai's, Kornia's or torchvision's augmentations (with --task detection or segmentation, those that "
+                   "take boxes or masks); needs pip install 'dali-fastai[bench]'")
     b.add_argument('--epochs', type=int, default=5, help="--task accuracy: epochs of each run (default: 5)")
     b.add_argument('--size', type=int, default=None, help="image side in pixels (default: 224; detection, segmentation: 128)")
     b.add_argument('--bs', type=int, default=None, help="batch size (default: 256; detection, segmentation: 64)")
@@ -349,8 +354,8 @@ def _saved(res, out, name:str):
     return res
 
 def _bench(task:str, path, n_per_class:int, size:int|None, bs:int|None, archs:str|None, fastai_loader:bool, out:str,
-           scale:bool=False, sizes:str='', epochs:int=5, **kwargs):
-    "`bench`, `detection_bench`, `segmentation_bench`, `shards_bench`, `time_to_accuracy` or `scale_bench`, each with its own defaults for what the command line leaves unset"
+           scale:bool=False, sizes:str='', epochs:int=5, peers:bool=False, **kwargs):
+    "`bench`, `detection_bench`, `segmentation_bench`, `shards_bench`, `time_to_accuracy`, `step_bench` or `scale_bench`, each with its own defaults for what the command line leaves unset"
     from dali_fastai.bench import (bench, bench_images, detection_bench, segmentation_bench, scale_bench, shards_bench,
                                    time_to_accuracy)
     if scale:
@@ -359,6 +364,13 @@ def _bench(task:str, path, n_per_class:int, size:int|None, bs:int|None, archs:st
         for k in ('n_batches', 'warmup', 'passes'): kwargs.pop(k, None)
         return _saved(time_to_accuracy(path, (archs or 'resnet18').split(',')[0], epochs, size=size or 224, bs=bs or 256,
                                        **kwargs), out, 'accuracy.json')
+    if task == 'step':
+        from dali_fastai.stepbench import step_bench, task_step_bench
+        kwargs.pop('workers', None)
+        names = tuple(a for a in (archs if archs is not None else 'resnet18,resnet50').split(',') if a)
+        res = step_bench(path, names, (bs,) if bs else (64, 256), size or 224, **kwargs)
+        res['tasks'] = {t: task_step_bench(t, **kwargs) for t in ('segmentation', 'detection')}
+        return _saved(res, out, 'step.json')
     if task == 'shards':
         kwargs.pop('workers', None)
         return _saved(shards_bench(path if path is not None else bench_images(n_per_class=n_per_class), size or 224, bs or 256,
@@ -367,9 +379,14 @@ def _bench(task:str, path, n_per_class:int, size:int|None, bs:int|None, archs:st
     size,bs = size or (128 if other else 224),bs or (64 if other else 256)
     default = {'detection': 'fcos', 'segmentation': 'resnet34'}.get(task, 'resnet18,resnet50')
     archs = tuple(a for a in (archs if archs is not None else default).split(',') if a)
-    if other: return (detection_bench if task == 'detection' else segmentation_bench)(path, size, bs, archs=archs, **kwargs)
+    if other:
+        res = (detection_bench if task == 'detection' else segmentation_bench)(path, size, bs, archs=archs, **kwargs)
+        if peers:
+            from dali_fastai.peers import detection_peers, segmentation_peers  # optional extras, imported when asked for
+            res['peers'] = (detection_peers if task == 'detection' else segmentation_peers)(path, size, bs, **kwargs)
+        return res
     return bench(path if path is not None else bench_images(n_per_class=n_per_class), size, bs, archs=archs,
-                 fastai_loader=fastai_loader, out=out, **kwargs)
+                 fastai_loader=fastai_loader, out=out, peers=peers, **kwargs)
 
 _FLAG_OF = {'n_batches': '--batches', 'skip_bad_files': '--skip-bad'}  # Python arguments whose flag is not the name with dashes
 _NO_FLAG = ('path', 'src', 'dest', 'fastai_loader')  # positionals, and --no-fastai (which says the opposite)
