@@ -7,7 +7,7 @@ Docs: https://dali-fastai.github.io/dali_fastai/stepbench.html.md"""
 # %% auto #0
 __all__ = ['FASTAI_ROWS', 'TASKS', 'PlainLoop', 'syncs_per_batch', 'step_rows', 'step_bench', 'task_step_bench', 'format_steps']
 
-# %% ../nbs/05b_stepbench.ipynb #0b591b1f
+# %% ../nbs/05b_stepbench.ipynb #65dd9708
 import contextlib, io, statistics, time, warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +17,7 @@ from fastai.data.core import DataLoaders
 from .loader import as_device
 from .data import DaliDataLoaders
 from fastai.callback.fp16 import MixedPrecision, AMPMode
-from fastai.callback.channelslast import to_channelslast  # noqa: F401 (adds Learner.to_channelslast)
+from fastai.callback.channelslast import ChannelsLast, to_channelslast  # noqa: F401 (adds Learner.to_channelslast)
 from fastai.vision.learner import unet_learner
 from .bench import (bench_images, machine_info, learner_throughput, throughput_learner, coco_dblock,
                                voc_segmentation_dblock)
@@ -25,7 +25,7 @@ from .detection import small_detector, detection_learner
 from .scenes import fashion_scenes
 from .faststep import FastStep
 
-# %% ../nbs/05b_stepbench.ipynb #94d9afe1
+# %% ../nbs/05b_stepbench.ipynb #2ae208b7
 def _endless(dl):
     while True: yield from dl
 
@@ -37,8 +37,10 @@ class PlainLoop:
     def __init__(self, learn, # a fresh `Learner` (its model is trained here, not through fastai)
                  dl, # the loader to read: one of its own (a `DaliDataLoader` runs one epoch at a time)
                 ):
-        self.model,self.loss_func,self.dl,self.it = learn.model.train(),learn.loss_func,dl,None
         self.device = torch.device(learn.dls.device or 'cpu')
+        fmt = torch.channels_last if any(isinstance(cb, ChannelsLast) for cb in learn.cbs) else torch.preserve_format
+        self.model = learn.model.to(self.device, memory_format=fmt).train() # where and how fastai's `fit` would put it
+        self.loss_func,self.dl,self.it = learn.loss_func,dl,None
         self.n_inp = getattr(learn.dls, 'n_inp', 1)
         self.targets_in = any(type(cb).__name__ == 'DetectionTargets' for cb in learn.cbs) # the model takes the targets too
         self.amp = any(isinstance(cb, MixedPrecision) for cb in learn.cbs)
@@ -64,7 +66,7 @@ class PlainLoop:
         _sync(self.device)
         return n / (clock() - start)
 
-# %% ../nbs/05b_stepbench.ipynb #68a863e2
+# %% ../nbs/05b_stepbench.ipynb #4b98f480
 def syncs_per_batch(learn, n:int=20)->float|None:
     "Host syncs a training batch of `learn.fit` makes, over `n` batches after the first (None off CUDA)"
     if not torch.cuda.is_available() or learn.dls.device.type != 'cuda': return None
@@ -77,7 +79,7 @@ def syncs_per_batch(learn, n:int=20)->float|None:
         finally: torch.cuda.set_sync_debug_mode(0)
     return len([x for x in w if 'synchroniz' in str(x.message)]) / (n + 1)
 
-# %% ../nbs/05b_stepbench.ipynb #035e8e4c
+# %% ../nbs/05b_stepbench.ipynb #408c8b8a
 FASTAI_ROWS = {'fastai': lambda: [], 'FastStep': lambda: [FastStep()], 'FastStep graph': lambda: [FastStep(graph=True)]}
 
 def _fastai_rate(learn, n_batches, warmup, clock):
@@ -103,7 +105,7 @@ def step_rows(dls, # DataLoaders to train from
     loop.dl.close()
     return res
 
-# %% ../nbs/05b_stepbench.ipynb #137a93b1
+# %% ../nbs/05b_stepbench.ipynb #3a33a95b
 def step_bench(path:str|Path|None=None, # ImageNet-style folder; default: `bench_images()`
                archs:tuple=('resnet18', 'resnet50'), # torchvision models, untrained
                bss:tuple=(64, 256), # batch sizes; fastai's default is 64
@@ -124,7 +126,7 @@ def step_bench(path:str|Path|None=None, # ImageNet-style folder; default: `bench
     print(format_steps(res))
     return res
 
-# %% ../nbs/05b_stepbench.ipynb #12bbd995
+# %% ../nbs/05b_stepbench.ipynb #4d3139ac
 def _unet(d, cbs): return unet_learner(d, torchvision.models.resnet34, pretrained=False, cbs=cbs).to_channelslast(amp_mode=AMPMode.BF16)
 def _fcos(d, cbs): return detection_learner(d, small_detector(len(d.vocab), d.train.one_batch()[0].shape[-1], 'fcos'), metrics=[], cbs=cbs)
 TASKS = {'segmentation': (voc_segmentation_dblock, _unet, 'U-Net resnet34'), 'detection': (coco_dblock, _fcos, 'FCOS')}
@@ -144,7 +146,7 @@ def task_step_bench(task:str, # 'segmentation' or 'detection'
     print(format_steps(res))
     return res
 
-# %% ../nbs/05b_stepbench.ipynb #316b50c7
+# %% ../nbs/05b_stepbench.ipynb #4b2b61d1
 def format_steps(res:dict)->str:
     "One line per model and batch size: images per second of each row, its share of the plain loop, syncs per batch"
     m = res['machine']
