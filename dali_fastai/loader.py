@@ -22,7 +22,7 @@ from fastcore.foundation import L
 from fastcore.xtras import is_listy
 from fastai.data.core import TfmdLists, show_batch as show_batch_grid, show_results as show_results_grid
 from fastai.data.transforms import Categorize, Normalize
-from fastai.torch_core import TensorImage, TensorCategory, batch_to_samples, num_distrib, retain_type
+from fastai.torch_core import TensorBase, TensorImage, TensorCategory, batch_to_samples, num_distrib, retain_type
 from fasttransform import Pipeline
 import fastai.vision.data, fastai.vision.learner  # register `show_batch`/`show_results` for images
 from nvidia.dali import fn, types
@@ -227,8 +227,24 @@ class Target:
     def batch(self, idx:torch.Tensor, # item indices, on the batch's device
              )->torch.Tensor: # the items' targets, on that device, of fastai's type
         "The targets of items `idx`"
-        if idx.device not in self._on: self._on = {idx.device: self.values.to(idx.device)}
-        return self._on[idx.device][idx]
+        return self.typed(self.rows_on(idx.device)[idx])
+
+    def rows_on(self, device:torch.device)->torch.Tensor:
+        "The values on `device` (moved once) as a plain tensor, so that a batch's indexing skips fastai's per-call type dispatch"
+        if device not in self._on:
+            v = self.values.to(device)
+            self._on = {device: v.as_subclass(torch.Tensor) if isinstance(v, TensorBase) else v}
+        return self._on[device]
+
+    def typed(self, y:torch.Tensor, # computed from `rows_on`'s plain rows
+              cls:type|None=None, # the type to give it; default: the values' type
+             )->torch.Tensor:
+        "`y` as fastai's `TensorBase` operations on the values leave it: their type (or `cls`) and a copy of their metadata"
+        cls = type(self.values) if cls is None else cls
+        if not issubclass(cls, TensorBase): return y
+        res = y.as_subclass(cls)
+        res.__dict__ = copy.copy(self.values.__dict__)
+        return res
 
     def subset(self, keep:list # item indices to keep
               ): return type(self)(None if self.values is None else self.values[keep], self.tfms)
@@ -465,6 +481,11 @@ def _after_batch(recipe:ImageRecipe)->Pipeline:
     norm = [] if recipe.mean is None else [DaliNormalize.from_stats(recipe.mean, recipe.std, cuda=False)]
     return Pipeline(norm + list(recipe.fastai_tfms))
 
+def _work_after(after_batch:Pipeline)->Pipeline|None:
+    "`after_batch`, or None when all it holds is the `Normalize` DALI did, which returns a batch as it is: then nothing to call"
+    fs = getattr(after_batch, 'fs', None)
+    return None if fs is not None and all(type(t) is DaliNormalize for t in fs) else after_batch
+
 class DaliDataLoader:
     "A fastai-style loader over one DALI pipeline; every `iter()` is a whole, fresh epoch"
     def __init__(self,
@@ -666,6 +687,7 @@ class DaliDataLoader:
         taken,self._taken_at_resume = self._taken_at_resume,0  # batches of a resumed epoch already taken
         epoch = self._epoch = DaliEpoch(self._iterator(), len(self), taken)
         self.after_batch.split_idx = self.split_idx
+        after = _work_after(self.after_batch)  # the transforms after DALI are read once an epoch, as its split is
         batches = iter(epoch)
         while True:
             if self._epoch is not epoch:
@@ -682,7 +704,8 @@ class DaliDataLoader:
             if failure is not None:  # raised outside `except`: DALI's error, and the dead pipeline it holds, are freed now
                 self.close(); del batches,epoch
                 raise ValueError(failure)
-            yield self.after_batch(self._to_batch(data))
+            b = self._to_batch(data)
+            yield b if after is None else after(b)
 
     def _read_failure(self, e:Exception, batch:int)->str:
         "The error for DALI failing on a record of shards (reported at `batch`, 0-based): DALI's own words, and what to do"
@@ -709,7 +732,7 @@ class DaliDataLoader:
 
     def _to_batch(self, d:dict)->tuple:
         "A fastai batch from DALI's outputs: the images, then each target of the items read"
-        x = TensorImage(d['images'])
+        x = d['images'].as_subclass(TensorImage)  # what `TensorImage(...)` makes of it, without `tensor()` and a second cast
         if not self.items.labelled: return (x,)
         idx = d['index'].squeeze(-1).long()
         if not self._geometric: return (x, *[t.batch(idx) for t in self.items.targets])

@@ -237,12 +237,14 @@ class MaskTarget(Target):
               side:dict, # this target's DALI outputs: `mask` and `top`
              )->TensorMask: # `[bs, h, w]` long
         "The batch's masks; a value that is not a code raises, naming the mask"
-        if self.codes is not None:
-            top = side['top'].flatten().cpu()
-            bad = (top >= len(self.codes)).nonzero().flatten().tolist()
-            if bad:
-                i = idx.cpu()
-                raise ValueError(f"mask {self.values[int(i[bad[0]]), 1]} has value {int(top[bad[0]])}, but there are {len(self.codes)} "
-                                 f"codes (0 to {len(self.codes) - 1}): fix the mask, give every code, or pass void_code={int(top[bad[0]])} "
-                                 "if it marks pixels to ignore")
-        return TensorMask(side['mask'][..., 0].long())
+        # one reduction a batch (the largest value is on the CPU); which mask, only when one is bad
+        if self.codes is not None and int(side['top'].max()) >= len(self.codes): raise ValueError(self._not_a_code(idx, side['top']))
+        return side['mask'][..., 0].long().as_subclass(TensorMask)  # what `TensorMask(...)` makes of it, without a second cast
+
+    def _not_a_code(self, idx:torch.Tensor, top:torch.Tensor)->str:
+        "The error for a batch whose largest mask value `top` (one a sample) is not a code: the first such mask, named"
+        top = top.flatten().cpu()
+        k = int((top >= len(self.codes)).nonzero()[0])
+        v = int(top[k])
+        return (f"mask {self.values[int(idx[k]), 1]} has value {v}, but there are {len(self.codes)} codes (0 to {len(self.codes) - 1}): "
+                f"fix the mask, give every code, or pass void_code={v} if it marks pixels to ignore")

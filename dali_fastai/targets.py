@@ -195,6 +195,6 @@ class PointTarget(Target):
         "Numbers an item's points make (points x 2), as fastai's `PointScaler` sets `c`: what `vision_learner`'s model outputs"
         return None if self.values is None else int(math.prod(self.values.shape[1:]))
     def batch(self, idx:torch.Tensor, geo:dict|BatchGeometry)->TensorPoint:
+        "The points of items `idx` where the batch's images put them: computed on plain tensors, typed once (`Target.typed`)"
         geo = batch_geometry(geo)
-        if idx.device not in self._on: self._on = {idx.device: self.values.to(idx.device)}
-        return TensorPoint(geo.scaled(geo.points(self._on[idx.device][idx].float())))
+        return self.typed(geo.scaled(geo.points(self.rows_on(idx.device)[idx].float())), TensorPoint)

@@ -3,8 +3,10 @@ bad input, seeds.
 
 Items are identified by their label (the item's index) and, independently, by their colour
 (see `helpers.make_index_images`)."""
+import gc
 import os
 import pickle
+import weakref
 
 import matplotlib
 matplotlib.use('Agg')
@@ -214,6 +216,19 @@ def test_rebuilds_free_their_pipelines(files):
     assert _threads() <= before + 2, f"{_threads() - before} more threads after 30 rebuilds"
     assert sorted(flat(epoch_items(dl))) == list(range(40))
 
+
+def test_batches_go_when_dropped(files):
+    "A batch goes once the step has dropped it and taken the next one, as a fastai loader's does, not at the next garbage collection: on the GPU its images are DALI's own buffer (~150 MB at bs 256, 224 px), which a reference cycle would keep from DALI for many batches"
+    dl = index_loader(files[:16], 4, train=True, seed=0)
+    gc.collect(); gc.disable()
+    try:
+        held = []
+        for b in dl:
+            assert all(r() is None for r in held), "a batch outlived the next one (held in a reference cycle)"
+            held += [weakref.ref(t) for t in b]
+            del b
+        assert len(held) == 2*len(dl) and all(r() is None for r in held)
+    finally: gc.enable()
 
 # ---------------------------------------------------------------- new, to, pickle
 

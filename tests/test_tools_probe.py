@@ -155,3 +155,15 @@ def test_take_ahead_lever_hands_over_the_batch_it_took(levers, files):
     assert seen == [y.tolist() for _,y in index_loader(files[:40], bs=8, train=True, seed=1)] and len(seen) == 5
     dl.take_ahead()  # outside an epoch: nothing happens
     assert dl.running is None and dl.ahead is None
+
+
+def test_adapter_overhead_times_the_loader_over_dalis_batches(tmp_path):
+    "`tools/adapter_overhead.py`: the loader reads the replay of its own DALI batches (`len(dl)` an epoch), the bare side the same batches, and a batch leaves nothing in reference cycles"
+    tool = load_tool('adapter_overhead')
+    dl = tool.loader(tool.images(tmp_path, n=40, side=8), bs=8, size=8)
+    bare = tool.replayed(dl)
+    assert isinstance(dl._iterator(), tool.Replay) and dl._iterator().batches is bare.batches
+    ours = list(dl)
+    assert len(ours) == len(dl) == 5  # the replay's epoch, as DALI's
+    assert all(torch.equal(x, b[0]['images']) for (x,_),b in zip(ours, bare.batches[1:] + bare.batches[:1]))  # its batches, in its order
+    assert tool.cycles(dl, n=20)[0] == 0
