@@ -8,7 +8,7 @@ Docs: https://dali-fastai.github.io/dali_fastai/loader.html.md"""
 __all__ = ['SETTING_CHECKS', 'FULL_CHECK_LIMIT', 'AUG_OPTIONS', 'check_arg', 'check_settings', 'n_batches', 'shard_sizes',
            'batches_per_rank', 'interleaved_order', 'as_device', 'dali_device_id', 'priority_stream', 'DaliNormalize',
            'Target', 'category_target', 'ImageItems', 'bad_files', 'usable_items', 'DaliEpoch', 'derived_seed',
-           'PipelineSource', 'DaliDataLoader']
+           'PipelineSource', 'to_device_async', 'DaliDataLoader']
 
 # %% ../nbs/03_loader.ipynb #20a7e3fb
 import base64, copy, functools, inspect, os, re, reprlib, warnings
@@ -471,6 +471,13 @@ def _recipes(size, mean, std, crop_pct, item_tfms, batch_tfms, aug)->tuple:
     if (mean is None) != (std is None): raise ValueError("pass both mean and std, or neither")
     return res if mean is None else tuple(r.with_normalize(mean, std) for r in res)
 
+# %% ../nbs/03_loader.ipynb #70bd57e4
+def to_device_async(t:torch.Tensor, # a small tensor DALI made on the host (a crop window, a matrix)
+                    device:torch.device)->torch.Tensor:
+    "`t` on `device`; to a GPU through pinned memory, so that the copy waits for no GPU work (a copy from pageable memory waits for the stream)"
+    if device.type != 'cuda' or t.device.type != 'cpu': return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)  # PyTorch's pinned-memory cache keeps the block until the copy is done
+
 # %% ../nbs/03_loader.ipynb #8d43dbd3
 _SMALL_OPS = {'ArithmeticGenericOp', 'Constant', 'Cast', 'Reshape', 'Stack', 'TensorSubscript', 'Sum', 'Uniform', 'CoinFlip',
               'OneHot', 'Choice', 'PermuteBatch', 'Cat', 'Combine', 'Rotation', 'Normal', 'PeekImageShape', 'ExternalSource'}
@@ -737,7 +744,7 @@ class DaliDataLoader:
         idx = d['index'].squeeze(-1).long()
         if not self._geometric: return (x, *[t.batch(idx) for t in self.items.targets])
         # what boxes and points follow: each sample's source window and output → item map, on the batch's device
-        geo = dict(window=d['window'].to(idx.device), matrix=d['matrix'].to(idx.device), item_hw=self.recipe.item_size,
+        geo = dict(window=to_device_async(d['window'], idx.device), matrix=to_device_async(d['matrix'], idx.device), item_hw=self.recipe.item_size,
                    out_hw=self.recipe.size)
         sides = {id(t): {n: d[f'side{k}_{n}'] for n in t.side_names} for k,t in enumerate(self._sides)}
         return (x, *[t.batch(idx, geo, sides[id(t)]) if id(t) in sides else t.batch(idx, geo) if getattr(t, 'geometric', False)

@@ -238,7 +238,8 @@ class MaskTarget(Target):
              )->TensorMask: # `[bs, h, w]` long
         "The batch's masks; a value that is not a code raises, naming the mask"
         # one reduction a batch (the largest value is on the CPU); which mask, only when one is bad
-        if self.codes is not None and int(side['top'].max()) >= len(self.codes): raise ValueError(self._not_a_code(idx, side['top']))
+        top = side['top']
+        if self.codes is not None and top.numel() and int(top.max()) >= len(self.codes): raise ValueError(self._not_a_code(idx, top))
         return side['mask'][..., 0].long().as_subclass(TensorMask)  # what `TensorMask(...)` makes of it, without a second cast
 
     def _not_a_code(self, idx:torch.Tensor, top:torch.Tensor)->str:
