@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from fastai.callback.core import CancelFitException
 from fastai.callback.schedule import fit_one_cycle, fit_flat_cos, lr_find, fine_tune  # noqa: F401 (add them to Learner)
-from fastai.callback.fp16 import to_bf16  # noqa: F401
+from fastai.callback.fp16 import to_bf16, to_fp16  # noqa: F401 (add them to Learner)
 from fastai.callback.training import GradientAccumulation
 from fastai.learner import Learner, load_learner
 from fastai.losses import CrossEntropyLossFlat
@@ -119,9 +119,12 @@ def test_gradient_accumulation_and_bf16(dls, tmp_path):
     w = next(learn.model.parameters()).detach().clone()
     with quiet(learn): learn.fit(1, 1e-2)
     assert not torch.equal(w, next(learn.model.parameters()))
-    if torch.cuda.is_available() and torch.cuda.is_bf16_supported():
-        b = learner(dls, tmp_path).to_bf16()
-        with quiet(b): b.fit(1, 1e-2)
+    if torch.cuda.is_available():  # MixedPrecision is CUDA's autocast: on the GPU machine (`make gpu-test` runs this file there)
+        for half in ('to_bf16', 'to_fp16'):  # fp16: PyTorch's GradScaler reads its overflow flag on the host each step
+            b = getattr(learner(dls, tmp_path), half)()
+            w = next(b.model.parameters()).detach().clone()
+            with quiet(b): b.fit(1, 1e-2)
+            assert type(b.opt) is FastOptimizer and not torch.equal(w, next(b.model.parameters())), half
 
 
 def _ckpt_learner(files, path, *cbs, n=30, bs=4):
