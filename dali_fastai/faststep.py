@@ -9,7 +9,7 @@ __all__ = ['TorchStep', 'torch_step', 'FastOptimizer', 'DeviceSmoothLoss', 'Devi
            'DeviceAccumMetric', 'on_device', 'HostMirror', 'HostSmoothLoss', 'host_losses', 'GraphCapture', 'FastStep',
            'HostReads']
 
-# %% ../nbs/04a_faststep.ipynb #b63d594e
+# %% ../nbs/04a_faststep.ipynb #98130ec2
 import inspect, sys, warnings
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -31,7 +31,7 @@ from fastai.optimizer import (Optimizer, _BaseOptimizer, weight_decay, l2_reg, a
                               step_stat, adam_step, sgd_step, momentum_step, rms_prop_step)
 from fastai.torch_core import find_bs, flatten_check, to_detach
 
-# %% ../nbs/04a_faststep.ipynb #61664b65
+# %% ../nbs/04a_faststep.ipynb #56a1828d
 @dataclass(frozen=True)
 class TorchStep:
     "How one of fastai's optimizers maps onto a PyTorch optimizer with the same arithmetic"
@@ -49,7 +49,7 @@ def _no_wd(group): return lambda h, do_wd: {**group(h, do_wd), 'weight_decay': 0
 
 _ADAM_STATE = {'grad_avg':'exp_avg', 'sqr_avg':'exp_avg_sq', 'step':'step'}
 
-# %% ../nbs/04a_faststep.ipynb #e8d58203
+# %% ../nbs/04a_faststep.ipynb #4afbdd98
 def _cb_key(cb): return (cb.func, tuple(sorted(cb.keywords.items()))) if isinstance(cb, partial) else (cb, ())
 
 # fastai's step functions after the weight decay one -> (decoupled, PyTorch step); L2: weight decay in the gradient,
@@ -75,7 +75,7 @@ def torch_step(opt)->TorchStep|None:
     if first not in (weight_decay, l2_reg) or rest not in _STEPS: return None
     return _STEPS[rest][0 if first is weight_decay else 1]
 
-# %% ../nbs/04a_faststep.ipynb #3af70e17
+# %% ../nbs/04a_faststep.ipynb #a1327c16
 def _torch_kwargs(cls:type, params:list)->dict:
     "PyTorch's fused kernels where the class and the parameters' device have them, else its foreach ones"
     fused = 'fused' in inspect.signature(cls).parameters
@@ -83,7 +83,7 @@ def _torch_kwargs(cls:type, params:list)->dict:
         return dict(fused=True)
     return dict(foreach=True)
 
-# %% ../nbs/04a_faststep.ipynb #6709b9e0
+# %% ../nbs/04a_faststep.ipynb #80dd5d70
 class FastOptimizer(_BaseOptimizer):
     "fastai's `Optimizer` (hypers, parameter groups, freezing, its state dict) whose step is PyTorch's fused or foreach step"
     _keep_on_clear = ['force_train', 'do_wd']
@@ -164,7 +164,7 @@ class FastOptimizer(_BaseOptimizer):
                 ts['step'] = torch.tensor(step, dtype=torch.float32, device=p.device if fused else 'cpu')
             self.opt.state[p] = {k: v.to(p.device) if k != 'step' else v for k,v in ts.items()}
 
-# %% ../nbs/04a_faststep.ipynb #915db7b3
+# %% ../nbs/04a_faststep.ipynb #ce87b721
 def _on_device(x, learn=None):
     "`to_detach` without the copy to the host (gathered across processes under DDP, as fastai's)"
     return learn.to_detach(x, cpu=False) if learn is not None else to_detach(x, cpu=False)
@@ -205,7 +205,7 @@ class DeviceAccumMetric(AccumMetric):
         if self.to_np: preds,targs = preds.cpu().numpy(),targs.cpu().numpy()
         return self.func(targs, preds, **self.kwargs) if self.invert_args else self.func(preds, targs, **self.kwargs)
 
-# %% ../nbs/04a_faststep.ipynb #dde16cd4
+# %% ../nbs/04a_faststep.ipynb #f412ae86
 _DEVICE_METRICS = {AvgSmoothLoss: DeviceSmoothLoss, AvgLoss: DeviceAvgLoss, AvgMetric: DeviceAvgMetric, AccumMetric: DeviceAccumMetric}
 
 def on_device(metric):
@@ -216,7 +216,7 @@ def on_device(metric):
     res.__dict__.update(metric.__dict__)
     return res
 
-# %% ../nbs/04a_faststep.ipynb #422d383c
+# %% ../nbs/04a_faststep.ipynb #756cb48c
 class HostMirror:
     "The newest value of a device scalar that has reached the host, copied through pinned memory without waiting"
     def __init__(self, n:int=4): # copies in flight at most
@@ -238,7 +238,7 @@ class HostMirror:
         if done: self.value = self.slots[max(done)[1]][0].clone()
         return self.value
 
-# %% ../nbs/04a_faststep.ipynb #b5f517f4
+# %% ../nbs/04a_faststep.ipynb #e4aed5d5
 class HostSmoothLoss(Callback):
     "Give the progress bar and later callbacks the smoothed loss from the host, as it arrives, instead of waiting for it"
     order = Recorder.order + 5 # after the Recorder has set `learn.smooth_loss`, before the progress bar reads it
@@ -257,7 +257,7 @@ def host_losses(rec:Recorder):
     if not dev: return
     for i,v in zip(dev, torch.stack([rec.losses[i] for i in dev]).cpu().unbind()): rec.losses[i] = v
 
-# %% ../nbs/04a_faststep.ipynb #04b0ca87
+# %% ../nbs/04a_faststep.ipynb #05fdf92e
 class GraphCapture:
     "The model's training forward and backward replayed as CUDA graphs, for batches of the shape they were captured with"
     def __init__(self, learn, warn:Callable):
@@ -309,7 +309,7 @@ class GraphCapture:
         if self.failed or (x.shape, x.dtype, x.device) != self.key: return self._eager(*args)
         return self.graphed(x).clone() # the graph's output is overwritten by the next replay
 
-# %% ../nbs/04a_faststep.ipynb #14518ca3
+# %% ../nbs/04a_faststep.ipynb #0716cabf
 def _has_conv(model)->bool: return any(isinstance(m, torch.nn.modules.conv._ConvNd) for m in model.modules())
 def _is_channels_last(model)->bool:
     return any(p.dim() == 4 and p.is_contiguous(memory_format=torch.channels_last) and not p.is_contiguous()
@@ -326,7 +326,9 @@ class FastStep(Callback):
                  channels_last:bool|None=None,      # None: on CUDA, for convolutional models not already channels_last
                  fused:bool=True,                   # replace fastai's optimizer with PyTorch's fused/foreach one where exact
                  device_metrics:bool=True,          # smooth the loss and accumulate metrics on the device
-                ): store_attr('graph,channels_last,fused,device_metrics'); self._warned = set()
+                ):
+        store_attr('graph,channels_last,fused,device_metrics')
+        self._warned,self.capture,self._saved = set(),None,None # `validate` and `get_preds` may come before any fit
 
     def _warn(self, msg):
         if msg not in self._warned: self._warned.add(msg); warnings.warn(msg, stacklevel=2)
@@ -382,7 +384,7 @@ class FastStep(Callback):
         self.capture = None
         self._host_metrics()
 
-# %% ../nbs/04a_faststep.ipynb #7cff9c5e
+# %% ../nbs/04a_faststep.ipynb #03ed34df
 class HostReads(TorchFunctionMode):
     "Count the calls that copy a tensor's values to Python or the host (`.item()`, `.cpu()`, `bool()`...), by calling module"
     NAMES = {'item', 'cpu', 'tolist', 'numpy', '__float__', '__int__', '__bool__'}

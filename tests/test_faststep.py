@@ -101,6 +101,7 @@ def test_save_load_with_the_optimizer_interchangeable_with_fastais(dls, tmp_path
 
 def test_get_preds_tta_show_results_export(dls, tmp_path):
     learn = learner(dls, tmp_path)
+    with quiet(learn): assert len(learn.validate()) == 2  # before any fit
     with quiet(learn): learn.fit(1, 1e-2)
     preds,targs = learn.get_preds()
     assert preds.shape == (40, dls.c) and targs.shape == (40,)
