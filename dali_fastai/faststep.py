@@ -9,7 +9,7 @@ __all__ = ['TorchStep', 'torch_step', 'FastOptimizer', 'DeviceSmoothLoss', 'Devi
            'DeviceAccumMetric', 'on_device', 'HostMirror', 'HostSmoothLoss', 'host_losses', 'GraphCapture', 'FastStep',
            'HostReads']
 
-# %% ../nbs/04a_faststep.ipynb #98130ec2
+# %% ../nbs/04a_faststep.ipynb #2375c90c
 import inspect, sys, warnings
 from collections import Counter, defaultdict
 from dataclasses import dataclass
@@ -29,9 +29,9 @@ from fastai.learner import AvgLoss, AvgMetric, AvgSmoothLoss, Recorder
 from fastai.metrics import AccumMetric
 from fastai.optimizer import (Optimizer, _BaseOptimizer, weight_decay, l2_reg, average_grad, average_sqr_grad,
                               step_stat, adam_step, sgd_step, momentum_step, rms_prop_step)
-from fastai.torch_core import find_bs, flatten_check, to_detach
+from fastai.torch_core import TensorBase, find_bs, flatten_check, to_detach
 
-# %% ../nbs/04a_faststep.ipynb #56a1828d
+# %% ../nbs/04a_faststep.ipynb #a16441aa
 @dataclass(frozen=True)
 class TorchStep:
     "How one of fastai's optimizers maps onto a PyTorch optimizer with the same arithmetic"
@@ -49,7 +49,7 @@ def _no_wd(group): return lambda h, do_wd: {**group(h, do_wd), 'weight_decay': 0
 
 _ADAM_STATE = {'grad_avg':'exp_avg', 'sqr_avg':'exp_avg_sq', 'step':'step'}
 
-# %% ../nbs/04a_faststep.ipynb #4afbdd98
+# %% ../nbs/04a_faststep.ipynb #978d7ecf
 def _cb_key(cb): return (cb.func, tuple(sorted(cb.keywords.items()))) if isinstance(cb, partial) else (cb, ())
 
 # fastai's step functions after the weight decay one -> (decoupled, PyTorch step); L2: weight decay in the gradient,
@@ -75,7 +75,7 @@ def torch_step(opt)->TorchStep|None:
     if first not in (weight_decay, l2_reg) or rest not in _STEPS: return None
     return _STEPS[rest][0 if first is weight_decay else 1]
 
-# %% ../nbs/04a_faststep.ipynb #a1327c16
+# %% ../nbs/04a_faststep.ipynb #673e0e88
 def _torch_kwargs(cls:type, params:list)->dict:
     "PyTorch's fused kernels where the class and the parameters' device have them, else its foreach ones"
     fused = 'fused' in inspect.signature(cls).parameters
@@ -83,7 +83,7 @@ def _torch_kwargs(cls:type, params:list)->dict:
         return dict(fused=True)
     return dict(foreach=True)
 
-# %% ../nbs/04a_faststep.ipynb #80dd5d70
+# %% ../nbs/04a_faststep.ipynb #1be487a0
 class FastOptimizer(_BaseOptimizer):
     "fastai's `Optimizer` (hypers, parameter groups, freezing, its state dict) whose step is PyTorch's fused or foreach step"
     _keep_on_clear = ['force_train', 'do_wd']
@@ -164,7 +164,7 @@ class FastOptimizer(_BaseOptimizer):
                 ts['step'] = torch.tensor(step, dtype=torch.float32, device=p.device if fused else 'cpu')
             self.opt.state[p] = {k: v.to(p.device) if k != 'step' else v for k,v in ts.items()}
 
-# %% ../nbs/04a_faststep.ipynb #ce87b721
+# %% ../nbs/04a_faststep.ipynb #f87763a3
 def _on_device(x, learn=None):
     "`to_detach` without the copy to the host (gathered across processes under DDP, as fastai's)"
     return learn.to_detach(x, cpu=False) if learn is not None else to_detach(x, cpu=False)
@@ -205,7 +205,7 @@ class DeviceAccumMetric(AccumMetric):
         if self.to_np: preds,targs = preds.cpu().numpy(),targs.cpu().numpy()
         return self.func(targs, preds, **self.kwargs) if self.invert_args else self.func(preds, targs, **self.kwargs)
 
-# %% ../nbs/04a_faststep.ipynb #f412ae86
+# %% ../nbs/04a_faststep.ipynb #ba78cfa6
 _DEVICE_METRICS = {AvgSmoothLoss: DeviceSmoothLoss, AvgLoss: DeviceAvgLoss, AvgMetric: DeviceAvgMetric, AccumMetric: DeviceAccumMetric}
 
 def on_device(metric):
@@ -216,7 +216,7 @@ def on_device(metric):
     res.__dict__.update(metric.__dict__)
     return res
 
-# %% ../nbs/04a_faststep.ipynb #756cb48c
+# %% ../nbs/04a_faststep.ipynb #c2f83011
 class HostMirror:
     "The newest value of a device scalar that has reached the host, copied through pinned memory without waiting"
     def __init__(self, n:int=4): # copies in flight at most
@@ -238,7 +238,7 @@ class HostMirror:
         if done: self.value = self.slots[max(done)[1]][0].clone()
         return self.value
 
-# %% ../nbs/04a_faststep.ipynb #e4aed5d5
+# %% ../nbs/04a_faststep.ipynb #c34b39ee
 class HostSmoothLoss(Callback):
     "Give the progress bar and later callbacks the smoothed loss from the host, as it arrives, instead of waiting for it"
     order = Recorder.order + 5 # after the Recorder has set `learn.smooth_loss`, before the progress bar reads it
@@ -257,7 +257,7 @@ def host_losses(rec:Recorder):
     if not dev: return
     for i,v in zip(dev, torch.stack([rec.losses[i] for i in dev]).cpu().unbind()): rec.losses[i] = v
 
-# %% ../nbs/04a_faststep.ipynb #05fdf92e
+# %% ../nbs/04a_faststep.ipynb #135250b6
 class GraphCapture:
     "The model's training forward and backward replayed as CUDA graphs, for batches of the shape they were captured with"
     def __init__(self, learn, warn:Callable):
@@ -309,7 +309,7 @@ class GraphCapture:
         if self.failed or (x.shape, x.dtype, x.device) != self.key: return self._eager(*args)
         return self.graphed(x).clone() # the graph's output is overwritten by the next replay
 
-# %% ../nbs/04a_faststep.ipynb #0716cabf
+# %% ../nbs/04a_faststep.ipynb #282aafca
 def _has_conv(model)->bool: return any(isinstance(m, torch.nn.modules.conv._ConvNd) for m in model.modules())
 def _is_channels_last(model)->bool:
     return any(p.dim() == 4 and p.is_contiguous(memory_format=torch.channels_last) and not p.is_contiguous()
@@ -375,6 +375,11 @@ class FastStep(Callback):
         if self.device_metrics and not finding and hasattr(self.learn, 'recorder'): self._device_metrics()
         self.capture = GraphCapture(self.learn, self._warn) if self.graph else None
 
+    def after_loss(self):
+        "The training loss as a plain tensor: fastai's loss classes return a `TensorBase`, whose every op (the backward, the smoothing) goes through Python"
+        if not self.training or not isinstance(getattr(self.learn, 'loss_grad', None), TensorBase): return
+        self.learn.loss_grad,self.learn.loss = self.loss_grad.as_subclass(torch.Tensor),self.loss.as_subclass(torch.Tensor)
+
     def before_train(self):
         if self.capture: self.capture.install()
     def before_validate(self):
@@ -384,7 +389,7 @@ class FastStep(Callback):
         self.capture = None
         self._host_metrics()
 
-# %% ../nbs/04a_faststep.ipynb #03ed34df
+# %% ../nbs/04a_faststep.ipynb #7b8b9ec8
 class HostReads(TorchFunctionMode):
     "Count the calls that copy a tensor's values to Python or the host (`.item()`, `.cpu()`, `bool()`...), by calling module"
     NAMES = {'item', 'cpu', 'tolist', 'numpy', '__float__', '__int__', '__bool__'}

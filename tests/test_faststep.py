@@ -160,3 +160,16 @@ def test_fastai_own_loaders(tmp_path):
     learn = Learner(d, small_cnn(2), loss_func=CrossEntropyLossFlat(), metrics=accuracy, cbs=FastStep(), path=tmp_path)
     with learn.no_bar(): learn.fit(2, 1e-2)
     assert len(learn.recorder.values) == 2 and type(learn.opt) is FastOptimizer
+
+
+def test_the_training_loss_is_a_plain_tensor(dls, tmp_path):
+    "fastai's loss classes return a `TensorBase`, whose every op runs through Python: FastStep hands on a plain tensor in training"
+    from fastai.callback.core import Callback
+    class Seen(Callback):
+        order = 50
+        def before_fit(self): self.types = set()
+        def after_loss(self): self.types.add((self.training, type(self.loss_grad).__name__, type(self.loss).__name__))
+    seen = Seen()
+    learn = learner(dls, tmp_path, cbs=[seen])
+    with quiet(learn): learn.fit(1, 1e-2)
+    assert seen.types == {(True, 'Tensor', 'Tensor'), (False, 'TensorBase', 'TensorBase')}, seen.types
