@@ -8,7 +8,7 @@ Docs: https://dali-fastai.github.io/dali_fastai/stepbench.html.md"""
 __all__ = ['FASTAI_ROWS', 'TASKS', 'METRIC_LEARNERS', 'PlainLoop', 'syncs_per_batch', 'step_rows', 'step_bench',
            'task_step_bench', 'format_steps', 'task_time_to_accuracy', 'format_accuracy_runs']
 
-# %% ../nbs/05b_stepbench.ipynb #7ce0c41c
+# %% ../nbs/05b_stepbench.ipynb #1e13f86a
 import contextlib, io, os, statistics, time, warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -23,18 +23,12 @@ from fastai.vision.learner import unet_learner
 from fastai.metrics import DiceMulti
 from fastai.torch_core import set_seed
 from .bench import (bench_images, machine_info, learner_throughput, throughput_learner, coco_dblock,
-                               voc_segmentation_dblock)
-from .detection import small_detector, detection_learner
+                               voc_segmentation_dblock, Throughput, _endless, _sync)
+from .detection import small_detector, detection_learner, DetectionTargets
 from .scenes import fashion_scenes
 from .faststep import FastStep
 
-# %% ../nbs/05b_stepbench.ipynb #9858c941
-def _endless(dl):
-    while True: yield from dl
-
-def _sync(device:torch.device):
-    if device.type == 'cuda': torch.cuda.synchronize(device)
-
+# %% ../nbs/05b_stepbench.ipynb #2063d7e0
 class PlainLoop:
     "A `Learner`'s model and loss in a plain PyTorch loop fed by `dl`: fused AdamW with fastai's `Adam` settings, the learner's precision"
     def __init__(self, learn, # a fresh `Learner` (its model is trained here, not through fastai)
@@ -45,7 +39,7 @@ class PlainLoop:
         self.model = learn.model.to(self.device, memory_format=fmt).train() # where and how fastai's `fit` would put it
         self.loss_func,self.dl,self.it = learn.loss_func,dl,None
         self.n_inp = getattr(learn.dls, 'n_inp', 1)
-        self.targets_in = any(type(cb).__name__ == 'DetectionTargets' for cb in learn.cbs) # the model takes the targets too
+        self.targets_in = any(isinstance(cb, DetectionTargets) for cb in learn.cbs) # the model takes the targets too
         self.amp = any(isinstance(cb, MixedPrecision) for cb in learn.cbs)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, betas=(0.9, 0.99), eps=1e-5, weight_decay=0.01,
                                      fused=True)
@@ -69,11 +63,10 @@ class PlainLoop:
         _sync(self.device)
         return n / (clock() - start)
 
-# %% ../nbs/05b_stepbench.ipynb #52e03fd4
+# %% ../nbs/05b_stepbench.ipynb #96891568
 def syncs_per_batch(learn, n:int=20)->float|None:
     "Host syncs a training batch of `learn.fit` makes, over `n` batches after the first (None off CUDA)"
     if not torch.cuda.is_available() or learn.dls.device.type != 'cuda': return None
-    from dali_fastai.bench import Throughput
     cb = Throughput(n_batches=n, warmup=1)
     with warnings.catch_warnings(record=True) as w, contextlib.redirect_stdout(io.StringIO()), learn.no_logging():
         warnings.simplefilter('always')
@@ -82,7 +75,7 @@ def syncs_per_batch(learn, n:int=20)->float|None:
         finally: torch.cuda.set_sync_debug_mode(0)
     return len([x for x in w if 'synchroniz' in str(x.message)]) / (n + 1)
 
-# %% ../nbs/05b_stepbench.ipynb #9f0043e3
+# %% ../nbs/05b_stepbench.ipynb #50886bde
 FASTAI_ROWS = {'fastai': lambda: [], 'FastStep': lambda: [FastStep()], 'FastStep graph': lambda: [FastStep(graph=True)]}
 
 def _fastai_rate(learn, n_batches, warmup, clock):
@@ -108,7 +101,7 @@ def step_rows(dls, # DataLoaders to train from
     loop.dl.close()
     return res
 
-# %% ../nbs/05b_stepbench.ipynb #e81b3e33
+# %% ../nbs/05b_stepbench.ipynb #a66d7539
 def step_bench(path:str|Path|None=None, # ImageNet-style folder; default: `bench_images()`
                archs:tuple=('resnet18', 'resnet50'), # torchvision models, untrained
                bss:tuple=(64, 256), # batch sizes; fastai's default is 64
@@ -129,7 +122,7 @@ def step_bench(path:str|Path|None=None, # ImageNet-style folder; default: `bench
     print(format_steps(res))
     return res
 
-# %% ../nbs/05b_stepbench.ipynb #2cedef6b
+# %% ../nbs/05b_stepbench.ipynb #9c0a9824
 def _unet(d, cbs): return unet_learner(d, torchvision.models.resnet34, pretrained=False, cbs=cbs).to_channelslast(amp_mode=AMPMode.BF16)
 def _fcos(d, cbs): return detection_learner(d, small_detector(len(d.vocab), d.train.one_batch()[0].shape[-1], 'fcos'), metrics=[], cbs=cbs)
 TASKS = {'segmentation': (voc_segmentation_dblock, _unet, 'U-Net resnet34'), 'detection': (coco_dblock, _fcos, 'FCOS')}
@@ -149,7 +142,7 @@ def task_step_bench(task:str, # 'segmentation' or 'detection'
     print(format_steps(res))
     return res
 
-# %% ../nbs/05b_stepbench.ipynb #65e41ad6
+# %% ../nbs/05b_stepbench.ipynb #152524b9
 def format_steps(res:dict)->str:
     "One line per model and batch size: images per second of each row, its share of the plain loop, syncs per batch"
     m = res['machine']
@@ -165,7 +158,7 @@ def format_steps(res:dict)->str:
                                        "of the plain loop at bs 256 (target 85%)")
     return '\n'.join(lines)
 
-# %% ../nbs/05b_stepbench.ipynb #8322382a
+# %% ../nbs/05b_stepbench.ipynb #8ed6b410
 def _unet_metric(d, cbs): return unet_learner(d, torchvision.models.resnet34, pretrained=False, metrics=DiceMulti(), cbs=cbs).to_channelslast(amp_mode=AMPMode.BF16)
 def _fcos_metric(d, cbs): return detection_learner(d, small_detector(len(d.vocab), d.train.one_batch()[0].shape[-1], 'fcos'), cbs=cbs)
 METRIC_LEARNERS = {'segmentation': _unet_metric, 'detection': _fcos_metric}

@@ -58,7 +58,7 @@ def test_fit_records_what_fastai_records(dls, tmp_path):
         assert all(abs(float(u) - float(v)) < 1e-3 for u,v in zip(x, y)), (x, y)
 
 
-def test_lr_find_fine_tune_fit_flat_cos(dls, tmp_path):
+def test_lr_find_and_fit_flat_cos(dls, tmp_path):
     learn = learner(dls, tmp_path)
     with quiet(learn):
         res = learn.lr_find(num_it=12, show_plot=False)
