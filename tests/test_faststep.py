@@ -18,8 +18,8 @@ from fastai.vision.learner import vision_learner
 
 from dali_fastai.all import *
 from dali_fastai.faststep import FastStep, FastOptimizer
-from dali_fastai.distributed import DaliCheckpoint
-from helpers import fmnist_path, fmnist_subset, index_loader, MAX_INDEX
+from helpers import fmnist_path, fmnist_subset
+from test_distributed import _learner
 
 SIZE = 28
 
@@ -128,11 +128,7 @@ def test_gradient_accumulation_and_bf16(dls, tmp_path):
             assert type(b.opt) is FastOptimizer and not torch.equal(w, next(b.model.parameters())), half
 
 
-def _ckpt_learner(files, path, *cbs, n=30, bs=4):
-    dls = DaliDataLoaders(index_loader(files[:n], bs, train=True, seed=1), index_loader(files[n:n+8], bs), path=path, device='cpu')
-    torch.manual_seed(0)
-    return Learner(dls, nn.Sequential(nn.Flatten(), nn.Linear(192, MAX_INDEX)), loss_func=CrossEntropyLossFlat(),
-                   cbs=[DaliCheckpoint(), FastStep(), *cbs])
+def _ckpt_learner(files, path, *cbs): return _learner(files, path, FastStep(), *cbs)  # test_distributed's, with FastStep
 
 
 def test_dali_checkpoint_resume_ends_with_the_same_weights(files, tmp_path):
