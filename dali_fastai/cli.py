@@ -369,7 +369,7 @@ def _bench(task:str, path, n_per_class:int, size:int|None, bs:int|None, archs:st
         kwargs.pop('workers', None)
         names = tuple(a for a in (archs if archs is not None else 'resnet18,resnet50').split(',') if a)
         res = step_bench(path, names, (bs,) if bs else (64, 256), size or 224, **kwargs)
-        res['tasks'] = {t: task_step_bench(t, **kwargs) for t in ('segmentation', 'detection')}
+        res['tasks'] = {t: task_step_bench(t, **kwargs) for t in ('segmentation', 'detection', 'retinanet')}
         return _saved(res, out, 'step.json')
     if task == 'shards':
         kwargs.pop('workers', None)

@@ -246,13 +246,13 @@ def test_demo_trains_at_the_embedded_datas_size():
 
 
 def test_bench_step_and_peers_reach_their_functions(tmp_path, monkeypatch):
-    "`bench --task step` runs the step bench (archs, batch sizes) and both tasks' rows; `--peers` reaches the peers"
+    "`bench --task step` runs the step bench (archs, batch sizes) and the tasks' rows; `--peers` reaches the peers"
     import dali_fastai.stepbench as sb, dali_fastai.bench as bm, dali_fastai.peers as pe
     calls = []
     monkeypatch.setattr(sb, 'step_bench', lambda *a, **k: calls.append(('step', a, k)) or {'rows': {}})
     monkeypatch.setattr(sb, 'task_step_bench', lambda t, **k: calls.append((t, k)) or {'rows': {}})
     cli.main(['bench', '--task', 'step', '--archs', 'resnet18', '--device', 'cpu', '--out', str(tmp_path)])
-    assert calls[0][1][1:4] == (('resnet18',), (64, 256), 224) and [c[0] for c in calls[1:]] == ['segmentation', 'detection']
+    assert calls[0][1][1:4] == (('resnet18',), (64, 256), 224) and [c[0] for c in calls[1:]] == ['segmentation', 'detection', 'retinanet']
     assert (tmp_path/'step.json').is_file()
     monkeypatch.setattr(bm, 'bench', lambda *a, **k: calls.append(('bench', k)) or {})
     monkeypatch.setattr(bm, 'bench_images', lambda **k: tmp_path)
