@@ -40,7 +40,7 @@ with warnings.catch_warnings():
     from dali_fastai.bench import (COMPILED, bench_images, side_by_side, loader_throughput, Throughput, training_throughput, fastai_aug_tfms,
         fastai_default_dls, clock_slowdowns, aug_transforms_dls, bench, format_results, task_bench, detection_bench,
         segmentation_bench, scale_bench, time_to_accuracy, shards_bench)
-    from dali_fastai.stepbench import PlainLoop, step_bench, task_step_bench, task_time_to_accuracy
+    from dali_fastai.stepbench import PlainLoop, HostClock, step_bench, task_step_bench, task_time_to_accuracy
 
 # %% ../nbs/07_all.ipynb #f745ce07
 __all__ = ['warp_matrix', 'synthetic_warps', 'rotation_matrix', 'compose_matrices', 'random_warps_node',
@@ -63,4 +63,4 @@ __all__ = ['warp_matrix', 'synthetic_warps', 'rotation_matrix', 'compose_matrice
            'Throughput', 'training_throughput', 'fastai_aug_tfms', 'fastai_default_dls', 'clock_slowdowns',
            'aug_transforms_dls', 'bench', 'format_results', 'task_bench', 'detection_bench', 'segmentation_bench',
            'scale_bench', 'time_to_accuracy', 'shards_bench', 'PlainLoop', 'step_bench', 'task_step_bench',
-           'task_time_to_accuracy']
+           'task_time_to_accuracy', 'HostClock']
