@@ -28,7 +28,7 @@ from fastai.vision.learner import unet_learner, vision_learner
 from fastai.metrics import DiceMulti, accuracy
 from fastai.torch_core import set_seed
 from .bench import (bench_images, machine_info, learner_throughput, throughput_learner, coco_dblock,
-                               voc_segmentation_dblock, fastai_aug_tfms, Throughput, _endless, _sync)
+                               voc_segmentation_dblock, fastai_aug_tfms, Throughput, _endless, _pass, _sync)
 from .detection import small_detector, detection_learner, DetectionTargets
 from .scenes import fashion_scenes
 from .faststep import FastStep
@@ -100,20 +100,24 @@ def step_rows(dls, # DataLoaders to train from
               n_batches:int=30, warmup:int=10, passes:int=3, # as in `loader_throughput`
               clock:Callable=time.perf_counter,
              )->dict: # row: images per second (medians); 'syncs per batch' and 'host ms per step': row: value
-    "The plain loop and the three fastai rows for one learner, their passes taken in turn"
+    "The loader alone, the plain loop and the three fastai rows for one learner, their passes taken in turn"
     learners = {k: make_learner(dls, cbs()) for k,cbs in FASTAI_ROWS.items()}
     loop = PlainLoop(make_learner(dls, []), dls.train.new()) # its own loader: a DaliDataLoader runs one epoch at a time
-    rates,host = {k: [] for k in ['plain loop', *learners]},{k: [] for k in ['plain loop', *learners]}
+    alone_dl = dls.train.new()
+    alone = _endless(alone_dl)
+    names = ['loader alone', 'plain loop', *learners]
+    rates,host = {k: [] for k in names},{k: [] for k in names}
     def timed(k, rate):
         hc = HostClock(clock)
         rates[k].append(rate(hc)); host[k].append(1e3*hc.last()/n_batches)
     for _ in range(passes):
+        timed('loader alone', lambda hc: _pass(alone, loop.device, n_batches, warmup, hc))
         timed('plain loop', lambda hc: loop.rate(n_batches, warmup, hc))
         for k,l in learners.items(): timed(k, lambda hc: _fastai_rate(l, n_batches, warmup, hc))
     res = {k: statistics.median(v) for k,v in rates.items()}
     res['host ms per step'] = {k: statistics.median(v) for k,v in host.items()}
     res['syncs per batch'] = {k: syncs_per_batch(l) for k,l in learners.items()}
-    loop.dl.close()
+    alone.close(); alone_dl.close(); loop.dl.close()
     return res
 
 # %% ../nbs/05b_stepbench.ipynb #a66d7539
@@ -194,7 +198,7 @@ def format_steps(res:dict)->str:
     for name,r in res['rows'].items():
         plain,syncs,host = r['plain loop'],r['syncs per batch'],r.get('host ms per step', {})
         ms = lambda k: f" {host[k]:.1f} ms" if k in host else ''
-        cols = [f"plain loop {plain:8.0f}{ms('plain loop')}"] + [
+        cols = [f"loader alone {r['loader alone']:8.0f}"] * ('loader alone' in r) + [f"plain loop {plain:8.0f}{ms('plain loop')}"] + [
             f"{k} {r[k]:8.0f} {100*r[k]/plain:4.0f}%" + (f" ({syncs[k]:.2f})" if syncs.get(k) is not None else '') + ms(k) for k in FASTAI_ROWS]
         lines.append(f"{name:<16}" + ' | '.join(cols))
     for arch in {k.split(' bs ')[0] for k in res['rows']}:
