@@ -360,7 +360,7 @@ class FastStep(Callback):
         if getattr(self, '_saved', None) is None: return
         rec = self.learn.recorder
         for old,new in zip((*self._saved[:2], *self._saved[2]), (rec.loss, rec.smooth_loss, *self.learn.metrics)):
-            if old is not new: old.__dict__.update(to_detach(new.__dict__))
+            if old is not new: old.__dict__.update(to_detach(new.__dict__, gather=False)) # values already whole: no gather across ranks
         _set(rec, loss=self._saved[0], smooth_loss=self._saved[1])
         self.learn.metrics = self._saved[2]
         self._saved = None

@@ -58,13 +58,14 @@ def main():
         seen,ddp_valid = rec.seen,learn.recorder.values[-1][1:]
         lens = [len(learn.dls.train), len(learn.dls.valid)]
         with learn.no_bar(): preds,targs = learn.get_preds()
+        restored = [torch.as_tensor(m.value).numel() for m in (learn.recorder.loss, *learn.metrics)]  # kept after the fit
     after_ctx = sum(len(y) for _,y in learn.dls.valid)  # still this rank's shard (documented)
     learn.dls.valid.shard(0, 1)
     after_unshard = sum(len(y) for _,y in learn.dls.valid)
     whole = learn.validate()  # outside the context: one process, the whole validation set
     res = dict(rank=rank, world=world, lens=lens, opt=type(learn.opt).__name__, seen=seen, targs=targs.tolist(), n_preds=len(preds),
                ddp_valid=[float(v) for v in ddp_valid], whole_valid=[float(v) for v in whole],
-               seed=dls.train.seed, device=str(dls.train.device), after_ctx=after_ctx, after_unshard=after_unshard)
+               restored=restored, seed=dls.train.seed, device=str(dls.train.device), after_ctx=after_ctx, after_unshard=after_unshard)
     (out/f'rank{rank}.json').write_text(json.dumps(res))
 
 
@@ -86,6 +87,7 @@ def check(out:Path, n_train:int=61, n_valid:int=23, bs:int=4, world:int=2)->str:
     assert a['seen']['train'][0] != a['seen']['train'][1], "a new order every epoch"
     assert all(r['targs'] == list(range(n_train, n_train + n_valid)) for r in ranks), "get_preds: every item, in order"
     assert all(r['ddp_valid'] == a['ddp_valid'] for r in ranks)
+    assert all(r['restored'] == [1]*len(r['restored']) for r in ranks), "the metrics kept after a fit hold one value each, not one a rank"
     assert sum(r['after_ctx'] for r in ranks) == n_valid, "right after the context, learn.dls still read the shards"
     assert all(r['after_unshard'] == n_valid for r in ranks), "shard(0, 1) takes the whole set back"
     assert all(math.isclose(d, w, rel_tol=1e-5) for d,w in zip(a['ddp_valid'], a['whole_valid'])), "metrics of the whole validation set"

@@ -169,3 +169,15 @@ def test_the_training_loss_is_a_plain_tensor(dls, tmp_path):
     learn = learner(dls, tmp_path, cbs=[seen])
     with quiet(learn): learn.fit(1, 1e-2)
     assert seen.types == {(True, 'Tensor', 'Tensor'), (False, 'TensorBase', 'TensorBase')}, seen.types
+
+
+def test_metrics_are_put_back_without_a_gather_across_ranks(dls, tmp_path, monkeypatch):
+    "The device metrics gathered across ranks as they accumulated (`learn.to_detach`); putting their values back after the fit gathers nothing more: under NCCL a gather of the host tensors among them fails ('No backend type associated with device type cpu', seen on 2 H100s)"
+    import dali_fastai.faststep as fs
+    gathers,real = [],fs.to_detach
+    def spy(b, cpu=True, gather=True): gathers.append(gather); return real(b, cpu=cpu, gather=gather)
+    monkeypatch.setattr(fs, 'to_detach', spy)
+    learn = learner(dls, tmp_path)
+    with quiet(learn): learn.fit(1)
+    with quiet(learn): learn.get_preds()
+    assert gathers and not any(gathers)
