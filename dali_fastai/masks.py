@@ -21,8 +21,8 @@ from fasttransform import Pipeline
 from nvidia.dali import fn, types
 from nvidia.dali import math as dmath
 from nvidia.dali.data_node import DataNode
-from .files import cache_dir, cached_file_values
-from .datasets import _progress
+from .util import cache_dir, _progress
+from .files import cached_file_values
 from .loader import Target
 from .pipeline import on_device
 from fastai.vision.augment import Resize

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from fastai.torch_core import TensorMultiCategory
 from fastai.vision.core import TensorBBox, TensorPoint, LabeledBBox
-from .files import cache_dir
+from .util import cache_dir
 from .loader import Target
 
 # %% ../nbs/03b_targets.ipynb #c6fe5128
