@@ -24,7 +24,8 @@ with warnings.catch_warnings():
     from dali_fastai.translate import (RandomBoxCrop, GeometryStep, ImageRecipe, fastai_recipe, keyword_recipe,
         geometry_outputs)
     from dali_fastai.annotations import ImageBoxes, read_coco, read_voc, to_fastai, from_fastai
-    from dali_fastai.loader import (check_arg, check_settings, FULL_CHECK_LIMIT, n_batches, batches_per_rank, priority_stream, DaliNormalize,
+    from dali_fastai.checks import check_arg, check_settings
+    from dali_fastai.loader import (FULL_CHECK_LIMIT, n_batches, batches_per_rank, priority_stream, DaliNormalize,
         Target, ImageItems, DaliEpoch, PipelineSource, to_device_async, DaliDataLoader)
     from dali_fastai.targets import BoxTarget, BoxLabelTarget, PointTarget
     from dali_fastai.masks import prepare_masks, mask_values, check_mask_values, MaskTarget

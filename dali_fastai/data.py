@@ -27,7 +27,8 @@ from fastai.data.transforms import (Categorize, MultiCategorize, RandomSplitter,
 from fastai.vision.core import PILBase, PILImage, PILMask, TensorBBox, TensorPoint, PointScaler, BBoxLabeler, AddMaskCodes
 from fastai.vision.data import bb_pad
 from .files import image_format, DECODABLE
-from .loader import DaliDataLoader, ImageItems, Target, bad_files, check_arg, check_settings
+from .checks import check_arg, check_settings
+from .loader import DaliDataLoader, ImageItems, Target, bad_files
 from .targets import Ragged, BoxTarget, BoxLabelTarget, PointTarget
 from .masks import MaskTarget
 from .shards import ShardItems, TFRecordItems, IMAGE_EXTS, shard_targets
