@@ -25,8 +25,9 @@ with warnings.catch_warnings():
         geometry_outputs)
     from dali_fastai.annotations import ImageBoxes, read_coco, read_voc, to_fastai, from_fastai
     from dali_fastai.checks import check_arg, check_settings
+    from dali_fastai.items import Target, ImageItems, usable_items
     from dali_fastai.loader import (FULL_CHECK_LIMIT, n_batches, batches_per_rank, priority_stream, DaliNormalize,
-        Target, ImageItems, DaliEpoch, PipelineSource, to_device_async, DaliDataLoader)
+        DaliEpoch, PipelineSource, to_device_async, DaliDataLoader)
     from dali_fastai.targets import BoxTarget, BoxLabelTarget, PointTarget
     from dali_fastai.masks import prepare_masks, mask_values, check_mask_values, MaskTarget
     from dali_fastai.shards import (shard_index, write_shards, folder_shards, check_shards, parse_label, ShardItems,
@@ -53,7 +54,7 @@ __all__ = ['warp_matrix', 'synthetic_warps', 'rotation_matrix', 'compose_matrice
            'RandomBoxCrop', 'GeometryStep', 'ImageRecipe', 'fastai_recipe', 'keyword_recipe', 'geometry_outputs',
            'ImageBoxes', 'read_coco', 'read_voc', 'to_fastai', 'from_fastai', 'check_arg', 'check_settings',
            'FULL_CHECK_LIMIT', 'n_batches', 'batches_per_rank', 'priority_stream', 'DaliNormalize', 'Target',
-           'ImageItems', 'DaliEpoch', 'PipelineSource', 'to_device_async', 'DaliDataLoader', 'BoxTarget', 'BoxLabelTarget',
+           'ImageItems', 'usable_items', 'DaliEpoch', 'PipelineSource', 'to_device_async', 'DaliDataLoader', 'BoxTarget', 'BoxLabelTarget',
            'PointTarget', 'prepare_masks', 'mask_values', 'check_mask_values', 'MaskTarget', 'shard_index',
            'write_shards', 'folder_shards', 'check_shards', 'parse_label', 'ShardItems', 'tfrecord_index',
            'dblock_shards', 'label_targets', 'dblock_items', 'DaliDataLoaders', 'UnpackDaliBatch', 'ClampSchedPos',

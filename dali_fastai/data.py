@@ -28,7 +28,8 @@ from fastai.vision.core import PILBase, PILImage, PILMask, TensorBBox, TensorPoi
 from fastai.vision.data import bb_pad
 from .files import image_format, DECODABLE
 from .checks import check_arg, check_settings
-from .loader import DaliDataLoader, ImageItems, Target, bad_files
+from .items import ImageItems, Target, bad_files
+from .loader import DaliDataLoader
 from .targets import Ragged, BoxTarget, BoxLabelTarget, PointTarget
 from .masks import MaskTarget
 from .shards import ShardItems, TFRecordItems, IMAGE_EXTS, shard_targets

@@ -9,7 +9,7 @@ __all__ = ['FASHION_MNIST_CLASSES', 'FASHION_MNIST_TAGS', 'fashion_mnist_arrays'
            'write_once', 'fashion_mnist']
 
 # %% ../nbs/00_datasets.ipynb #bc3be1c8
-import hashlib, json, os, shutil, socket, sys, tempfile
+import hashlib, json, os, shutil, socket, tempfile
 from collections.abc import Callable
 from functools import cache
 from glob import escape

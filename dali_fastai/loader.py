@@ -6,11 +6,11 @@ Docs: https://dali-fastai.github.io/dali_fastai/loader.html.md"""
 
 # %% auto #0
 __all__ = ['FULL_CHECK_LIMIT', 'AUG_OPTIONS', 'n_batches', 'shard_sizes', 'batches_per_rank', 'interleaved_order', 'as_device',
-           'dali_device_id', 'priority_stream', 'DaliNormalize', 'Target', 'category_target', 'ImageItems', 'bad_files',
-           'usable_items', 'DaliEpoch', 'derived_seed', 'PipelineSource', 'to_device_async', 'DaliDataLoader']
+           'dali_device_id', 'priority_stream', 'DaliNormalize', 'DaliEpoch', 'derived_seed', 'PipelineSource',
+           'to_device_async', 'DaliDataLoader']
 
 # %% ../nbs/03_loader.ipynb #20a7e3fb
-import base64, copy, functools, inspect, os, re, warnings
+import base64, copy, functools, inspect, os, re
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -19,9 +19,9 @@ import torch
 from fastcore.basics import first, detuplify, store_attr
 from fastcore.foundation import L
 from fastcore.xtras import is_listy
-from fastai.data.core import TfmdLists, show_batch as show_batch_grid, show_results as show_results_grid
-from fastai.data.transforms import Categorize, Normalize
-from fastai.torch_core import TensorBase, TensorImage, TensorCategory, batch_to_samples, num_distrib, retain_type
+from fastai.data.core import show_batch as show_batch_grid, show_results as show_results_grid
+from fastai.data.transforms import Normalize
+from fastai.torch_core import TensorImage, TensorCategory, batch_to_samples, num_distrib
 from fasttransform import Pipeline
 import fastai.vision.data, fastai.vision.learner  # register `show_batch`/`show_results` for images
 from nvidia.dali import fn, types
@@ -29,6 +29,7 @@ from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 from .checks import check_arg, check_settings
 from .augment import synthetic_warps
 from .files import check_images, describe_bad, bad_files_message
+from .items import ImageItems, usable_items
 from .pipeline import classification_pipeline, augment, IMAGENET_MEAN, IMAGENET_STD, HW_DECODER_LOAD
 from .translate import ImageRecipe, keyword_recipe, fastai_recipe, geometry_outputs
 
@@ -123,186 +124,13 @@ class DaliNormalize(Normalize):
     def decodes(self, x:TensorImage):
         return TensorImage((x.float() * self.std.to(x.device) + self.mean.to(x.device)).clamp(0, 1))
 
-# %% ../nbs/03_loader.ipynb #8e6cb584
-class Target:
-    "A typed output: one target of every item, encoded once by fastai's own transforms, batched by item index on the device"
-    def __init__(self, values:torch.Tensor|None, # encoded targets, one row per item, typed as fastai types them; None: unlabelled
-                 tfms:Pipeline, # the fastai transforms that encoded them (`Categorize`, `MultiCategorize`, ...), for `decode`
-                ):
-        self.values,self.tfms,self._on = values,tfms,{}
-
-    @classmethod
-    def encode(cls, objs:list, # raw targets, one per item (a class name, a list of tags, a number...)
-               tfms:list, # fastai transforms turning one of them into a tensor, set up on `objs` as fastai's `Datasets` does
-              ):
-        "The `Target` fastai's `tfms` make of `objs`"
-        if len(L(tfms)) == 1 and type(L(tfms)[0]) is Categorize:  # set up on the labels at once, not through a `TfmdLists` item by item
-            pipe = Pipeline(tfms); pipe.setup(list(objs))
-            return cls(None, pipe).encode_like(objs)
-        return cls(None, TfmdLists(objs, tfms).tfms).encode_like(objs)
-
-    def encode_like(self, objs:list # raw targets of other items (e.g. the validation set's)
-                   ):
-        "A `Target` of `objs`, encoded by these (already set up) transforms"
-        fs = self.tfms.fs
-        if len(fs) == 1 and type(fs[0]) is Categorize:  # the common case, without a transform call per item
-            o2i = fs[0].vocab.o2i
-            return type(self)(TensorCategory(torch.tensor([o2i[o] for o in objs], dtype=torch.long)), self.tfms)
-        return type(self)(torch.stack([self.tfms(o) for o in objs]) if len(objs) else None, self.tfms)
-
-    def batch(self, idx:torch.Tensor, # item indices, on the batch's device
-             )->torch.Tensor: # the items' targets, on that device, of fastai's type
-        "The targets of items `idx`"
-        return self.typed(self.rows_on(idx.device)[idx])
-
-    def rows_on(self, device:torch.device)->torch.Tensor:
-        "The values on `device` (moved once) as a plain tensor, so that a batch's indexing skips fastai's per-call type dispatch"
-        if device not in self._on:
-            v = self.values.to(device)
-            self._on = {device: v.as_subclass(torch.Tensor) if isinstance(v, TensorBase) else v}
-        return self._on[device]
-
-    def typed(self, y:torch.Tensor, # computed from `rows_on`'s plain rows
-              cls:type|None=None, # the type to give it; default: the values' type
-             )->torch.Tensor:
-        "`y` as fastai's `TensorBase` operations on the values leave it: their type (or `cls`) and a copy of their metadata"
-        cls = type(self.values) if cls is None else cls
-        if not issubclass(cls, TensorBase): return y
-        res = y.as_subclass(cls)
-        res.__dict__ = copy.copy(self.values.__dict__)
-        return res
-
-    def subset(self, keep:list # item indices to keep
-              ): return type(self)(None if self.values is None else self.values[keep], self.tfms)
-    def unlabelled(self): return type(self)(None, self.tfms)
-    def decode(self, y, full:bool=True): return self.tfms.decode(y, full=full)
-    def decode_in(self, sample:tuple, # one sample of a batch: the image, then every target
-                  k:int, # this target's place in `sample`
-                  full:bool=True): # decode all the way (class names...)
-        "This target of `sample`, decoded (boxes and points need the image's size, their labels their boxes)"
-        return self.decode(sample[k], full=full)
-    side_files = None  # a target DALI reads from files of its own (a mask) lists them, one per item, in item order
-    def retain(self, y): return y if self.values is None else retain_type(y, self.values)
-    @property
-    def vocab(self): return getattr(self.tfms, 'vocab', None)
-    @property
-    def c(self):
-        c = getattr(self.tfms, 'c', None)
-        return c if c is not None else None if self.vocab is None else len(self.vocab)
-    @property
-    def loss_func(self): return getattr(self.tfms, 'loss_func', None)
-    def __getstate__(self): return {**self.__dict__, '_on': {}}
-    def __repr__(self): return f"{type(self).__name__}({self.tfms})"
-
-# %% ../nbs/03_loader.ipynb #14898584
-def category_target(labels:list|None, # class index of each item, `0 .. len(vocab)-1`; None: unlabelled
-                    vocab:list, # class names, in index order
-                   )->Target:
-    "A single-label `Target` from class indices (no per-item encoding: the indices are the encoding)"
-    values = None if labels is None else TensorCategory(torch.tensor([int(l) for l in labels], dtype=torch.long))
-    return Target(values, Pipeline([Categorize(vocab=list(vocab), sort=False)]))
-
-_PATH = type(Path())  # PosixPath or WindowsPath
-
-class ImageItems:
-    "The image files a loader reads and their `Target`s: what fastai calls the dataset (`dls.train_ds`)"
-    def __init__(self, files:list, # image paths
-                 labels:list|None=None, # single-label shortcut: class index of each file (with `vocab`)
-                 vocab:list|None=None, # class names, in label order (with `labels`, or for unlabelled items)
-                 checked:bool=False, # the files already passed `check_images` (loaders do not check them again)
-                 targets:tuple=(), # `Target`s, instead of `labels`/`vocab`
-                 split_idx:int|None=None, # fastai's split index: 0 training, 1 validation (see `set_split_idx`)
-                 owner=None, # what the files live as long as (e.g. the temporary folder of in-memory images)
-                ):
-        if labels is not None and len(labels) != len(files):
-            raise ValueError(f"got {len(files)} files but {len(labels)} labels: give one label per file")
-        if vocab is not None and not targets: targets = (category_target(labels, vocab),)
-        for t in targets:
-            if t.values is not None and len(t.values) != len(files):
-                raise ValueError(f"got {len(files)} files but {len(t.values)} targets in {t}: give one per file")
-        files = [f if type(f) is _PATH else Path(f) for f in files]  # Path() of a Path parses it again: 1.28 M of them take seconds
-        self.files,self.targets,self.checked,self.split_idx = files,tuple(targets),checked,split_idx
-        self.owner = owner
-
-    read = None  # items whose records DALI reads itself (shards) give `read(shuffle, shard_id, num_shards, order_seed)` → reader nodes
-
-    @property
-    def labelled(self)->bool: return bool(self.targets) and self.targets[0].values is not None
-    @property
-    def labels(self)->list|None:
-        "Each item's first target as a list (class indices for single-label items); None when unlabelled"
-        return self.targets[0].values.tolist() if self.labelled else None
-    @property
-    def vocab(self): return first(t.vocab for t in self.targets if t.vocab is not None)
-    @property
-    def c(self): return first(t.c for t in self.targets if t.c is not None)
-    @property
-    def loss_func(self): return first(t.loss_func for t in self.targets if t.loss_func is not None)
-    def __len__(self): return len(self.files)
-    def __iter__(self): return (self[i] for i in range(len(self)))
-    def __getitem__(self, i):
-        if not self.labelled: return (self.files[i],)
-        return (self.files[i], *[t.decode(t.values[i]) for t in self.targets])
-    def __repr__(self): return f"{type(self).__name__}({len(self)} files, targets {list(self.targets)})"
-
-    def decode(self, sample:tuple, full:bool=True):
-        "An (image, targets...) sample with its targets decoded to what fastai shows (class names, tags, numbers)"
-        return (sample[0], *[t.decode_in(sample, k, full=full) for k,t in enumerate(self.targets, 1)])
-    def decode_label(self, y): return self.targets[0].decode(y)
-
-    def subset(self, keep:list, # indices of the items to keep
-               checked:bool|None=None):
-        "These items at indices `keep`"
-        return type(self)([self.files[i] for i in keep], targets=[t.subset(keep) for t in self.targets],
-                          checked=self.checked if checked is None else checked, split_idx=self.split_idx, owner=self.owner)
-    def without(self, bad:set # files to leave out, as `str` paths
-               ):
-        "These items less the files in `bad`, marked checked (not copied when none is bad)"
-        if not bad: return self.marked_checked()
-        return self.subset([i for i,f in enumerate(self.files) if str(f) not in bad], checked=True)
-    def marked_checked(self):
-        "These items, marked as having passed `check_images` (the same files and targets, not copied)"
-        res = copy.copy(self); res.checked = True
-        return res
-    def new(self, files:list, # other image paths
-            owner=None, # what the files live as long as
-           ):
-        "Unlabelled items over `files` that decode targets as these do (what `test_dl` reads)"
-        return type(self)(files, targets=[t.unlabelled() for t in self.targets], owner=owner)
-
-    @contextmanager
-    def set_split_idx(self, i:int # 0: training transforms (what `Learner.tta` asks for), 1: validation
-                     ):
-        "Read these items with another split's transforms inside the context, as fastai's `Datasets.set_split_idx`"
-        old,self.split_idx = self.split_idx,i
-        try: yield self
-        finally: self.split_idx = old
-
-# %% ../nbs/03_loader.ipynb #862d4005
+# %% ../nbs/03_loader.ipynb #e6e43c1f
 FULL_CHECK_LIMIT = 10_000  # on a DALI decode failure, decode at most this many candidate files with PIL
 _DECODE_FAILURE = re.compile(r"operator `nvidia\.dali\.fn\.(decoders\.|readers\.file|readers\.webdataset)|nvImageCodec failure")
 
 def _is_decode_failure(e:Exception)->bool:
     "Whether `e` is DALI failing to read or decode a file (its message names the operator)"
     return bool(_DECODE_FAILURE.search(str(e)))
-
-def bad_files(files:list, # image paths
-              skip_bad_files:bool=False, # warn once about the bad files, instead of raising
-              root=None, # name files relative to this folder in messages
-             )->set: # the bad files, as `str` paths
-    "The files `check_images` finds bad: a `ValueError` naming them, or one warning listing those left out"
-    bad = check_images(files)
-    if bad and not skip_bad_files: raise ValueError(bad_files_message(bad, root))
-    if bad: warnings.warn(f"skip_bad_files=True: leaving out {len(bad)} file(s) that cannot be decoded: {describe_bad(bad, root, 20)}")
-    return {f for f,_ in bad}
-
-def usable_items(items:ImageItems, # the items to check
-                 skip_bad_files:bool=False, # leave bad files out with one warning, instead of raising
-                 root=None, # name files relative to this folder in messages
-                )->ImageItems: # `items` without the bad files, marked checked
-    "`items` checked with `check_images`: a `ValueError` naming the bad files, or one warning listing those left out"
-    if items.checked or len(items) == 0: return items
-    return items.without(bad_files(items.files, skip_bad_files, root))
 
 # %% ../nbs/03_loader.ipynb #30b0ce31
 class DaliEpoch:

@@ -23,7 +23,7 @@ from nvidia.dali import math as dmath
 from nvidia.dali.data_node import DataNode
 from .util import cache_dir, _progress
 from .files import cached_file_values
-from .loader import Target
+from .items import Target
 from .pipeline import on_device
 from fastai.vision.augment import Resize
 from .translate import ImageRecipe, _border

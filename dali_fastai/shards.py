@@ -21,7 +21,7 @@ from nvidia.dali.data_node import DataNode
 from .files import image_format
 from .shardindex import _split, _wds_index_text, _frames, _tfrecord_index_text
 from .util import _progress
-from .loader import ImageItems, category_target
+from .items import ImageItems, category_target
 
 # %% ../nbs/03d_shards.ipynb #67b3194b
 def _stale(shard:Path, index:Path|None=None)->bool:

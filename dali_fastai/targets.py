@@ -15,7 +15,7 @@ import torch
 from fastai.torch_core import TensorMultiCategory
 from fastai.vision.core import TensorBBox, TensorPoint, LabeledBBox
 from .util import cache_dir
-from .loader import Target
+from .items import Target
 
 # %% ../nbs/03b_targets.ipynb #c6fe5128
 class BatchGeometry:
