@@ -26,8 +26,8 @@ with warnings.catch_warnings():
     from dali_fastai.annotations import ImageBoxes, read_coco, read_voc, to_fastai, from_fastai
     from dali_fastai.checks import check_arg, check_settings
     from dali_fastai.items import Target, ImageItems, usable_items
-    from dali_fastai.loader import (FULL_CHECK_LIMIT, n_batches, batches_per_rank, priority_stream, DaliNormalize,
-        DaliEpoch, PipelineSource, to_device_async, DaliDataLoader)
+    from dali_fastai.epoch import n_batches, batches_per_rank, priority_stream, DaliEpoch, PipelineSource, to_device_async
+    from dali_fastai.loader import FULL_CHECK_LIMIT, DaliNormalize, DaliDataLoader
     from dali_fastai.targets import BoxTarget, BoxLabelTarget, PointTarget
     from dali_fastai.masks import prepare_masks, mask_values, check_mask_values, MaskTarget
     from dali_fastai.shards import (shard_index, write_shards, folder_shards, check_shards, parse_label, ShardItems,
