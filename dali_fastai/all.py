@@ -32,7 +32,8 @@ with warnings.catch_warnings():
     from dali_fastai.masks import prepare_masks, mask_values, check_mask_values, MaskTarget
     from dali_fastai.shards import (shard_index, write_shards, folder_shards, check_shards, parse_label, ShardItems,
         tfrecord_index, dblock_shards)
-    from dali_fastai.data import label_targets, dblock_items, DaliDataLoaders
+    from dali_fastai.blocks import label_targets, dblock_items
+    from dali_fastai.data import DaliDataLoaders
     from dali_fastai.callbacks import UnpackDaliBatch, ClampSchedPos, restart_epoch, DaliResetCallback
     from dali_fastai.faststep import FastStep, FastOptimizer, torch_step, on_device, HostReads
     from dali_fastai.distributed import DaliDistributed, DaliCheckpoint

@@ -22,6 +22,7 @@ from .files import image_format
 from .shardindex import _split, _wds_index_text, _frames, _tfrecord_index_text
 from .util import _progress
 from .items import ImageItems, category_target
+from .blocks import dblock_items, _target_kinds
 
 # %% ../nbs/03d_shards.ipynb #67b3194b
 def _stale(shard:Path, index:Path|None=None)->bool:
@@ -405,7 +406,6 @@ def dblock_shards(dblock, # a fastai `DataBlock`: an `ImageBlock`, then category
                   format:str='webdataset', # 'webdataset' or 'tfrecord'
                  )->dict: # split: shards written
     "Write a DataBlock's images as shards and its targets, encoded by fastai, beside them"
-    from dali_fastai.data import dblock_items, _target_kinds  # here: data imports this module
     if 'mask' in _target_kinds(dblock): raise ValueError(
         "this DataBlock has mask targets (MaskBlock), which DALI reads from files of their own beside each image: they are not "
         "written to shards yet; use DaliDataLoaders.from_dblock(dblock, source)")
