@@ -19,17 +19,21 @@ with warnings.catch_warnings():
     from dali_fastai.colour import COLOUR_TFMS, neg_logit, power_form, colour_unsupported, lighting_draws, colour_node
     from dali_fastai.pipeline import (HW_DECODER_HINT, IMAGENET_MEAN, IMAGENET_STD, read_files, decoder_args,
         decode_random_crop, decode_center_crop, augment_steps, train_pipeline, valid_pipeline)
-    from dali_fastai.files import check_image, cache_dir, check_images, cached_file_values
+    from dali_fastai.util import cache_dir
+    from dali_fastai.files import check_image, check_images, cached_file_values
     from dali_fastai.translate import (RandomBoxCrop, GeometryStep, ImageRecipe, fastai_recipe, keyword_recipe,
         geometry_outputs)
     from dali_fastai.annotations import ImageBoxes, read_coco, read_voc, to_fastai, from_fastai
-    from dali_fastai.loader import (check_arg, check_settings, FULL_CHECK_LIMIT, n_batches, batches_per_rank, priority_stream, DaliNormalize,
-        Target, ImageItems, DaliEpoch, PipelineSource, to_device_async, DaliDataLoader)
+    from dali_fastai.checks import check_arg, check_settings
+    from dali_fastai.items import Target, ImageItems, usable_items
+    from dali_fastai.epoch import n_batches, batches_per_rank, priority_stream, DaliEpoch, PipelineSource, to_device_async
+    from dali_fastai.loader import FULL_CHECK_LIMIT, DaliNormalize, DaliDataLoader
     from dali_fastai.targets import BoxTarget, BoxLabelTarget, PointTarget
     from dali_fastai.masks import prepare_masks, mask_values, check_mask_values, MaskTarget
     from dali_fastai.shards import (shard_index, write_shards, folder_shards, check_shards, parse_label, ShardItems,
         tfrecord_index, dblock_shards)
-    from dali_fastai.data import label_targets, dblock_items, DaliDataLoaders
+    from dali_fastai.blocks import label_targets, dblock_items
+    from dali_fastai.data import DaliDataLoaders
     from dali_fastai.callbacks import UnpackDaliBatch, ClampSchedPos, restart_epoch, DaliResetCallback
     from dali_fastai.faststep import FastStep, FastOptimizer, torch_step, on_device, HostReads
     from dali_fastai.distributed import DaliDistributed, DaliCheckpoint
@@ -51,7 +55,7 @@ __all__ = ['warp_matrix', 'synthetic_warps', 'rotation_matrix', 'compose_matrice
            'RandomBoxCrop', 'GeometryStep', 'ImageRecipe', 'fastai_recipe', 'keyword_recipe', 'geometry_outputs',
            'ImageBoxes', 'read_coco', 'read_voc', 'to_fastai', 'from_fastai', 'check_arg', 'check_settings',
            'FULL_CHECK_LIMIT', 'n_batches', 'batches_per_rank', 'priority_stream', 'DaliNormalize', 'Target',
-           'ImageItems', 'DaliEpoch', 'PipelineSource', 'to_device_async', 'DaliDataLoader', 'BoxTarget', 'BoxLabelTarget',
+           'ImageItems', 'usable_items', 'DaliEpoch', 'PipelineSource', 'to_device_async', 'DaliDataLoader', 'BoxTarget', 'BoxLabelTarget',
            'PointTarget', 'prepare_masks', 'mask_values', 'check_mask_values', 'MaskTarget', 'shard_index',
            'write_shards', 'folder_shards', 'check_shards', 'parse_label', 'ShardItems', 'tfrecord_index',
            'dblock_shards', 'label_targets', 'dblock_items', 'DaliDataLoaders', 'UnpackDaliBatch', 'ClampSchedPos',

@@ -13,7 +13,8 @@ from fastai.callback.core import Callback
 from fastai.callback.schedule import ParamScheduler
 from fastai.torch_core import TensorImage, TensorCategory
 from nvidia.dali.plugin.pytorch import DALIGenericIterator
-from .loader import DaliDataLoader, DaliEpoch
+from .epoch import DaliEpoch
+from .loader import DaliDataLoader
 
 # %% ../nbs/04_callbacks.ipynb #a87e42e9
 class UnpackDaliBatch(Callback):

@@ -9,7 +9,7 @@ __all__ = ['FASHION_MNIST_CLASSES', 'FASHION_MNIST_TAGS', 'fashion_mnist_arrays'
            'write_once', 'fashion_mnist']
 
 # %% ../nbs/00_datasets.ipynb #bc3be1c8
-import hashlib, json, os, shutil, socket, sys, tempfile
+import hashlib, json, os, shutil, socket, tempfile
 from collections.abc import Callable
 from functools import cache
 from glob import escape
@@ -18,8 +18,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 from PIL import Image
-from fastprogress.fastprogress import progress_bar, ConsoleProgressBar
-from .files import cache_dir
+from .util import cache_dir, _progress
 
 # %% ../nbs/00_datasets.ipynb #666d8109
 FASHION_MNIST_CLASSES = ('T-shirt_top', 'Trouser', 'Pullover', 'Dress', 'Coat',
@@ -157,17 +156,6 @@ def _npz_digest()->str:
     return hashlib.sha256((files('dali_fastai')/'data'/_NPZ).read_bytes()).hexdigest()
 
 def _stamp()->dict: return {'sha256': _npz_digest(), 'csv': _CSV}
-
-# %% ../nbs/00_datasets.ipynb #f73cc46b
-def _progress(items:list, # what to iterate over
-              show:bool=True, # False: no bar anywhere
-             ):
-    "Iterate `items` with a progress bar in a notebook or on a terminal, ending its line; silently elsewhere (a log, a pipe)"
-    notebook = progress_bar is not ConsoleProgressBar  # fastprogress picked its HTML bar when imported in a notebook
-    if not (show and (notebook or sys.stdout.isatty())): yield from items; return
-    try: yield from progress_bar(items)
-    finally:
-        if not notebook: print(flush=True)  # fastprogress leaves the cursor at the end of its bar
 
 # %% ../nbs/00_datasets.ipynb #e20c2ec8
 def _save_jpeg(img:np.ndarray, # uint8 [28,28]

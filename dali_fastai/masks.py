@@ -21,9 +21,9 @@ from fasttransform import Pipeline
 from nvidia.dali import fn, types
 from nvidia.dali import math as dmath
 from nvidia.dali.data_node import DataNode
-from .files import cache_dir, cached_file_values
-from .datasets import _progress
-from .loader import Target
+from .util import cache_dir, _progress
+from .files import cached_file_values
+from .items import Target
 from .pipeline import on_device
 from fastai.vision.augment import Resize
 from .translate import ImageRecipe, _border

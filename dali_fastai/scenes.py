@@ -14,7 +14,7 @@ from pathlib import Path
 from xml.etree import ElementTree as ET
 import numpy as np
 from PIL import Image
-from .files import cache_dir
+from .util import cache_dir
 from .datasets import FASHION_MNIST_CLASSES, fashion_mnist_arrays, write_once, sample_photo, _npz_digest
 
 # %% ../nbs/00b_scenes.ipynb #f381a4d6

@@ -14,14 +14,16 @@ import io, os, pickle, random, struct
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
+from fastcore.meta import delegates
 import numpy as np
 from nvidia.dali import fn, types
 from nvidia.dali import math as dmath
 from nvidia.dali.data_node import DataNode
 from .files import image_format
 from .shardindex import _split, _wds_index_text, _frames, _tfrecord_index_text
-from .datasets import _progress
-from .loader import ImageItems, category_target
+from .util import _progress
+from .items import ImageItems, category_target
+from .blocks import dblock_items, _target_kinds
 
 # %% ../nbs/03d_shards.ipynb #67b3194b
 def _stale(shard:Path, index:Path|None=None)->bool:
@@ -147,12 +149,10 @@ def _write_splits(dest:Path, splits:dict, # split: `(image file, label)` pairs
     write_last(dest/last)
     return written
 
+@delegates(write_shards, but=['prefix', 'shuffle'])
 def folder_shards(src, # ImageNet-style folder: `train/<class>/*` and `valid/<class>/*`
                   dest, # folder for the shards and `vocab.txt`
-                  shard_size:int=10_000, # samples a shard
-                  seed:int=0, # of the training shards' order
-                  progress:bool=True,
-                  format:str='webdataset', # 'webdataset' or 'tfrecord'
+                  **kwargs, # `write_shards` settings: `shard_size`, `seed` (of the training shards' order), `progress`, `format`
                  )->dict: # split: shards written
     "Write an image folder as shards (WebDataset or TFRecord), labelled as `DaliDataLoaders.from_folder` labels it"
     from fastai.data.transforms import get_image_files, parent_label
@@ -162,8 +162,7 @@ def folder_shards(src, # ImageNet-style folder: `train/<class>/*` and `valid/<cl
     vocab = sorted({parent_label(f) for fs in splits.values() for f in fs})
     o2i = {v: i for i,v in enumerate(vocab)}
     return _write_splits(dest, {s: [(f, o2i[parent_label(f)]) for f in fs] for s,fs in splits.items()}, 'vocab.txt',
-                         lambda f: f.write_text('\n'.join(vocab) + '\n'), shard_size=shard_size, seed=seed, progress=progress,
-                         format=format)
+                         lambda f: f.write_text('\n'.join(vocab) + '\n'), **kwargs)
 
 def _check_sample(shard, key, image:bytes|None, label:int|None, n_classes:int|None):
     "Raise naming the shard and the sample when its image does not open or its label is missing or out of range"
@@ -396,16 +395,13 @@ class TFRecordItems(ShardItems):
 # %% ../nbs/03d_shards.ipynb #2447f563
 TARGETS_FILE = 'targets.pkl'  # beside shards written by `dblock_shards`: each split's `Target`s
 
+@delegates(write_shards, but=['prefix', 'shuffle'])
 def dblock_shards(dblock, # a fastai `DataBlock`: an `ImageBlock`, then category, multi-category, regression, box or point blocks
                   source, # what its `get_items` reads
                   dest, # folder for the shards and `targets.pkl`
-                  shard_size:int=10_000, # samples a shard
-                  seed:int=0, # of the training shards' order
-                  progress:bool=True,
-                  format:str='webdataset', # 'webdataset' or 'tfrecord'
+                  **kwargs, # `write_shards` settings: `shard_size`, `seed` (of the training shards' order), `progress`, `format`
                  )->dict: # split: shards written
     "Write a DataBlock's images as shards and its targets, encoded by fastai, beside them"
-    from dali_fastai.data import dblock_items, _target_kinds  # here: data imports this module
     if 'mask' in _target_kinds(dblock): raise ValueError(
         "this DataBlock has mask targets (MaskBlock), which DALI reads from files of their own beside each image: they are not "
         "written to shards yet; use DaliDataLoaders.from_dblock(dblock, source)")
@@ -413,7 +409,7 @@ def dblock_shards(dblock, # a fastai `DataBlock`: an `ImageBlock`, then category
     def write_targets(path):
         with open(path, 'wb') as f: pickle.dump({s: items.targets for s,items in splits.items()}, f)
     return _write_splits(Path(dest), {s: [(f, i) for i,f in enumerate(items.files)] for s,items in splits.items()}, TARGETS_FILE,
-                         write_targets, shard_size=shard_size, seed=seed, progress=progress, format=format)
+                         write_targets, **kwargs)
 
 def shard_targets(path)->dict|None:
     "The targets `dblock_shards` wrote beside the shards in `path` (`{split: (Target, ...)}`), or None"

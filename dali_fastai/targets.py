@@ -14,8 +14,8 @@ import numpy as np
 import torch
 from fastai.torch_core import TensorMultiCategory
 from fastai.vision.core import TensorBBox, TensorPoint, LabeledBBox
-from .files import cache_dir
-from .loader import Target
+from .util import cache_dir
+from .items import Target
 
 # %% ../nbs/03b_targets.ipynb #c6fe5128
 class BatchGeometry:

@@ -58,17 +58,17 @@ MUTANTS = [
     ('callbacks', 'def before_train(self): restart_epoch(self.dl)', 'def before_train(self): pass', 'DaliResetCallback after lr_find'),
     ('callbacks', 'if 0 < read < size:', 'if False:', 'DaliResetCallback drains an abandoned DALI epoch'),
     # exact len and exactly-once accounting
-    ('loader', 'return n_items // bs if drop_last else -(-n_items // bs)',
+    ('epoch',   'return n_items // bs if drop_last else -(-n_items // bs)',
                'return n_items // bs if drop_last else n_items // bs + 1', 'len = batches yielded'),
-    ('loader', 'return [(r+1)*n_items//world_size - r*n_items//world_size for r in range(world_size)]',
+    ('epoch',   'return [(r+1)*n_items//world_size - r*n_items//world_size for r in range(world_size)]',
                'return [n_items//world_size for r in range(world_size)]', 'shards cover every item'),
-    ('loader', 'return max(counts) if pad else min(counts)', 'return min(counts) if pad else max(counts)', 'ranks step together'),
-    ('loader', 'for r,s in enumerate(sizes):', 'for r,s in reversed(list(enumerate(sizes))):', 'sharded valid set in item order'),
+    ('epoch',   'return max(counts) if pad else min(counts)', 'return min(counts) if pad else max(counts)', 'ranks step together'),
+    ('epoch',   'for r,s in enumerate(sizes):', 'for r,s in reversed(list(enumerate(sizes))):', 'sharded valid set in item order'),
     ('loader', 'drop_last = train if drop_last is None else drop_last', 'drop_last = False if drop_last is None else drop_last',
                'training drops the last partial batch'),
     ('loader', 'shuffle = train if shuffle is None else shuffle', 'shuffle = False if shuffle is None else shuffle',
                'training reshuffles every epoch'),
-    ('loader', 'if self.taken >= self.n: continue', 'if self.taken > self.n: continue', 'the loader stops at len'),
+    ('epoch',   'if self.taken >= self.n: continue', 'if self.taken > self.n: continue', 'the loader stops at len'),
     ('loader', 'pad=not (self.shuffle or self.drop_last))', 'pad=False)', 'sharded in-order epochs see every item'),
     ('pipeline', 'pad_last_batch=True,', 'pad_last_batch=False,', 'exactly once per epoch'),
     # height and width, on images that are not square
@@ -112,6 +112,7 @@ SELECTIONS = {  # per module: pytest arguments, relative to the repository root
     'masks': ['tests/test_mask_sampling.py'],
     'translate': ['tests/test_mask_sampling.py'],
 }
+SELECTIONS['epoch'] = SELECTIONS['loader']  # the batch arithmetic and `DaliEpoch` keep the loader's promises
 ALL_TESTS = ['tests', '--ignore', 'tests/test_notebooks.py']
 
 
