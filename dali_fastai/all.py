@@ -20,8 +20,9 @@ with warnings.catch_warnings():
     from dali_fastai.pipeline import (HW_DECODER_HINT, IMAGENET_MEAN, IMAGENET_STD, read_files, decoder_args,
         decode_random_crop, decode_center_crop, augment_steps, train_pipeline, valid_pipeline)
     from dali_fastai.files import check_image, cache_dir, check_images, cached_file_values
-    from dali_fastai.translate import (RandomBoxCrop, GeometryStep, ImageRecipe, fastai_recipe, keyword_recipe,
-        geometry_outputs)
+    from dali_fastai.steps import RandomBoxCrop, ItemStep, GeometryStep, ItemFlip
+    from dali_fastai.recipe import ImageRecipe, keyword_recipe, geometry_outputs
+    from dali_fastai.translate import fastai_recipe
     from dali_fastai.annotations import ImageBoxes, read_coco, read_voc, to_fastai, from_fastai
     from dali_fastai.loader import (check_arg, check_settings, FULL_CHECK_LIMIT, n_batches, batches_per_rank, priority_stream, DaliNormalize,
         Target, ImageItems, DaliEpoch, PipelineSource, to_device_async, DaliDataLoader)
@@ -48,7 +49,7 @@ __all__ = ['warp_matrix', 'synthetic_warps', 'rotation_matrix', 'compose_matrice
            'power_form', 'colour_unsupported', 'lighting_draws', 'colour_node', 'HW_DECODER_HINT', 'IMAGENET_MEAN',
            'IMAGENET_STD', 'read_files', 'decoder_args', 'decode_random_crop', 'decode_center_crop', 'augment_steps',
            'train_pipeline', 'valid_pipeline', 'check_image', 'cache_dir', 'check_images', 'cached_file_values',
-           'RandomBoxCrop', 'GeometryStep', 'ImageRecipe', 'fastai_recipe', 'keyword_recipe', 'geometry_outputs',
+           'RandomBoxCrop', 'ItemStep', 'GeometryStep', 'ItemFlip', 'ImageRecipe', 'fastai_recipe', 'keyword_recipe', 'geometry_outputs',
            'ImageBoxes', 'read_coco', 'read_voc', 'to_fastai', 'from_fastai', 'check_arg', 'check_settings',
            'FULL_CHECK_LIMIT', 'n_batches', 'batches_per_rank', 'priority_stream', 'DaliNormalize', 'Target',
            'ImageItems', 'DaliEpoch', 'PipelineSource', 'to_device_async', 'DaliDataLoader', 'BoxTarget', 'BoxLabelTarget',

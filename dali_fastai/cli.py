@@ -120,7 +120,7 @@ def _detection_tfms(size:int, box_crop:bool)->dict:
     from fastai.data.transforms import Normalize
     from fastai.vision.augment import Resize, aug_transforms
     from fastai.vision.core import imagenet_stats
-    from dali_fastai.translate import RandomBoxCrop
+    from dali_fastai.steps import RandomBoxCrop
     return dict(item_tfms=RandomBoxCrop(size) if box_crop else Resize(size),
                 batch_tfms=[*aug_transforms(size=size), Normalize.from_stats(*imagenet_stats)])
 
