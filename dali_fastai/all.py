@@ -38,9 +38,10 @@ with warnings.catch_warnings():
     from dali_fastai.scenes import SCENE_CODES, fashion_scenes
     from dali_fastai.detection import (small_detector, padded_detections, DetectionAdapter, detection_loss,
         DetectionLoss, DetectionTargets, DetectionMAP, DetectionLearner, detection_learner)
-    from dali_fastai.bench import (COMPILED, bench_images, side_by_side, loader_throughput, Throughput, training_throughput, fastai_aug_tfms,
-        fastai_default_dls, clock_slowdowns, aug_transforms_dls, bench, format_results, task_bench, detection_bench,
-        segmentation_bench, scale_bench, time_to_accuracy, shards_bench)
+    from dali_fastai.measure import bench_images, side_by_side, loader_throughput, Throughput, training_throughput, clock_slowdowns
+    from dali_fastai.baselines import COMPILED, fastai_aug_tfms, fastai_default_dls, aug_transforms_dls
+    from dali_fastai.bench import bench, format_results
+    from dali_fastai.taskbench import task_bench, detection_bench, segmentation_bench, scale_bench, time_to_accuracy, shards_bench
     from dali_fastai.stepbench import PlainLoop, step_bench, task_step_bench, task_time_to_accuracy
 
 # %% ../nbs/07_all.ipynb #f745ce07
@@ -60,8 +61,8 @@ __all__ = ['warp_matrix', 'synthetic_warps', 'rotation_matrix', 'compose_matrice
            'DaliDistributed', 'DaliCheckpoint', 'FASHION_MNIST_CLASSES', 'fashion_mnist_df', 'write_once',
            'fashion_mnist', 'SCENE_CODES', 'fashion_scenes', 'small_detector', 'padded_detections',
            'DetectionAdapter', 'detection_loss', 'DetectionLoss', 'DetectionTargets', 'DetectionMAP',
-           'DetectionLearner', 'detection_learner', 'COMPILED', 'bench_images', 'side_by_side', 'loader_throughput',
-           'Throughput', 'training_throughput', 'fastai_aug_tfms', 'fastai_default_dls', 'clock_slowdowns',
+           'DetectionLearner', 'detection_learner', 'bench_images', 'side_by_side', 'loader_throughput',
+           'Throughput', 'training_throughput', 'clock_slowdowns', 'COMPILED', 'fastai_aug_tfms', 'fastai_default_dls',
            'aug_transforms_dls', 'bench', 'format_results', 'task_bench', 'detection_bench', 'segmentation_bench',
            'scale_bench', 'time_to_accuracy', 'shards_bench', 'PlainLoop', 'step_bench', 'task_step_bench',
            'task_time_to_accuracy']

@@ -22,8 +22,8 @@ from fastai.callback.channelslast import ChannelsLast, to_channelslast  # noqa: 
 from fastai.vision.learner import unet_learner
 from fastai.metrics import DiceMulti
 from fastai.torch_core import set_seed
-from .bench import (bench_images, machine_info, learner_throughput, throughput_learner, coco_dblock,
-                               voc_segmentation_dblock, Throughput, _endless, _sync)
+from .measure import bench_images, machine_info, learner_throughput, throughput_learner, Throughput, _endless, _sync
+from .baselines import coco_dblock, voc_segmentation_dblock
 from .detection import small_detector, detection_learner, DetectionTargets
 from .scenes import fashion_scenes
 from .faststep import FastStep
