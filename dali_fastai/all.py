@@ -21,8 +21,9 @@ with warnings.catch_warnings():
         decode_random_crop, decode_center_crop, augment_steps, train_pipeline, valid_pipeline)
     from dali_fastai.util import cache_dir
     from dali_fastai.files import check_image, check_images, cached_file_values
-    from dali_fastai.translate import (RandomBoxCrop, GeometryStep, ImageRecipe, fastai_recipe, keyword_recipe,
-        geometry_outputs)
+    from dali_fastai.steps import RandomBoxCrop, ItemStep, GeometryStep, ItemFlip
+    from dali_fastai.recipe import ImageRecipe, keyword_recipe, geometry_outputs
+    from dali_fastai.translate import fastai_recipe
     from dali_fastai.annotations import ImageBoxes, read_coco, read_voc, to_fastai, from_fastai
     from dali_fastai.checks import check_arg, check_settings
     from dali_fastai.items import Target, ImageItems, usable_items
@@ -41,9 +42,10 @@ with warnings.catch_warnings():
     from dali_fastai.scenes import SCENE_CODES, fashion_scenes
     from dali_fastai.detection import (small_detector, padded_detections, DetectionAdapter, detection_loss,
         DetectionLoss, DetectionTargets, DetectionMAP, DetectionLearner, detection_learner)
-    from dali_fastai.bench import (COMPILED, bench_images, side_by_side, loader_throughput, Throughput, training_throughput, fastai_aug_tfms,
-        fastai_default_dls, clock_slowdowns, aug_transforms_dls, bench, format_results, task_bench, detection_bench,
-        segmentation_bench, scale_bench, time_to_accuracy, shards_bench)
+    from dali_fastai.measure import bench_images, side_by_side, loader_throughput, Throughput, training_throughput, clock_slowdowns
+    from dali_fastai.baselines import COMPILED, fastai_aug_tfms, fastai_default_dls, aug_transforms_dls
+    from dali_fastai.bench import bench, format_results
+    from dali_fastai.taskbench import task_bench, detection_bench, segmentation_bench, scale_bench, time_to_accuracy, shards_bench
     from dali_fastai.stepbench import PlainLoop, HostClock, step_bench, task_step_bench, task_time_to_accuracy
 
 # %% ../nbs/07_all.ipynb #f745ce07
@@ -52,7 +54,7 @@ __all__ = ['warp_matrix', 'synthetic_warps', 'rotation_matrix', 'compose_matrice
            'power_form', 'colour_unsupported', 'lighting_draws', 'colour_node', 'HW_DECODER_HINT', 'IMAGENET_MEAN',
            'IMAGENET_STD', 'read_files', 'decoder_args', 'decode_random_crop', 'decode_center_crop', 'augment_steps',
            'train_pipeline', 'valid_pipeline', 'check_image', 'cache_dir', 'check_images', 'cached_file_values',
-           'RandomBoxCrop', 'GeometryStep', 'ImageRecipe', 'fastai_recipe', 'keyword_recipe', 'geometry_outputs',
+           'RandomBoxCrop', 'ItemStep', 'GeometryStep', 'ItemFlip', 'ImageRecipe', 'fastai_recipe', 'keyword_recipe', 'geometry_outputs',
            'ImageBoxes', 'read_coco', 'read_voc', 'to_fastai', 'from_fastai', 'check_arg', 'check_settings',
            'FULL_CHECK_LIMIT', 'n_batches', 'batches_per_rank', 'priority_stream', 'DaliNormalize', 'Target',
            'ImageItems', 'usable_items', 'DaliEpoch', 'PipelineSource', 'to_device_async', 'DaliDataLoader', 'BoxTarget', 'BoxLabelTarget',
@@ -63,8 +65,8 @@ __all__ = ['warp_matrix', 'synthetic_warps', 'rotation_matrix', 'compose_matrice
            'DaliDistributed', 'DaliCheckpoint', 'FASHION_MNIST_CLASSES', 'fashion_mnist_df', 'write_once',
            'fashion_mnist', 'SCENE_CODES', 'fashion_scenes', 'small_detector', 'padded_detections',
            'DetectionAdapter', 'detection_loss', 'DetectionLoss', 'DetectionTargets', 'DetectionMAP',
-           'DetectionLearner', 'detection_learner', 'COMPILED', 'bench_images', 'side_by_side', 'loader_throughput',
-           'Throughput', 'training_throughput', 'fastai_aug_tfms', 'fastai_default_dls', 'clock_slowdowns',
+           'DetectionLearner', 'detection_learner', 'bench_images', 'side_by_side', 'loader_throughput',
+           'Throughput', 'training_throughput', 'clock_slowdowns', 'COMPILED', 'fastai_aug_tfms', 'fastai_default_dls',
            'aug_transforms_dls', 'bench', 'format_results', 'task_bench', 'detection_bench', 'segmentation_bench',
            'scale_bench', 'time_to_accuracy', 'shards_bench', 'PlainLoop', 'step_bench', 'task_step_bench',
            'task_time_to_accuracy', 'HostClock']

@@ -120,7 +120,7 @@ def _detection_tfms(size:int, box_crop:bool)->dict:
     from fastai.data.transforms import Normalize
     from fastai.vision.augment import Resize, aug_transforms
     from fastai.vision.core import imagenet_stats
-    from dali_fastai.translate import RandomBoxCrop
+    from dali_fastai.steps import RandomBoxCrop
     return dict(item_tfms=RandomBoxCrop(size) if box_crop else Resize(size),
                 batch_tfms=[*aug_transforms(size=size), Normalize.from_stats(*imagenet_stats)])
 
@@ -198,7 +198,7 @@ def segmentation_dataloaders(path:str|Path|None=None, # Pascal VOC segmentation 
                             ):
     "`DaliDataLoaders` for segmentation from a Pascal VOC segmentation folder or a CamVid-style one, with fastai's usual augmentation"
     from dali_fastai.data import DaliDataLoaders
-    from dali_fastai.bench import voc_segmentation_dblock, camvid_dblock
+    from dali_fastai.baselines import voc_segmentation_dblock, camvid_dblock
     from dali_fastai.scenes import fashion_scenes
     path = fashion_scenes(progress=False) if path is None else Path(path)
     if (path/'SegmentationClass').is_dir() and (path/'ImageSets'/'Segmentation').is_dir():
@@ -356,8 +356,9 @@ def _saved(res, out, name:str):
 def _bench(task:str, path, n_per_class:int, size:int|None, bs:int|None, archs:str|None, fastai_loader:bool, out:str,
            scale:bool=False, sizes:str='', epochs:int=5, peers:bool=False, **kwargs):
     "`bench`, `detection_bench`, `segmentation_bench`, `shards_bench`, `time_to_accuracy`, `step_bench` or `scale_bench`, each with its own defaults for what the command line leaves unset"
-    from dali_fastai.bench import (bench, bench_images, detection_bench, segmentation_bench, scale_bench, shards_bench,
-                                   time_to_accuracy)
+    from dali_fastai.measure import bench_images
+    from dali_fastai.bench import bench
+    from dali_fastai.taskbench import detection_bench, segmentation_bench, scale_bench, shards_bench, time_to_accuracy
     if scale:
         return _saved(scale_bench(tuple(int(n) for n in sizes.split(',') if n), path), out, 'scale.json')
     if task == 'accuracy':

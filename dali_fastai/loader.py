@@ -29,7 +29,8 @@ from .items import ImageItems, usable_items
 from .epoch import (n_batches, batches_per_rank, interleaved_order, as_device, dali_device_id,
     priority_stream, DaliEpoch, PipelineSource, derived_seed, _RANK_STREAM, to_device_async)
 from .pipeline import classification_pipeline, augment, IMAGENET_MEAN, IMAGENET_STD, HW_DECODER_LOAD
-from .translate import ImageRecipe, keyword_recipe, fastai_recipe, geometry_outputs
+from .recipe import ImageRecipe, keyword_recipe, geometry_outputs
+from .translate import fastai_recipe
 
 # %% ../nbs/03_loader.ipynb #da4c7f20
 class DaliNormalize(Normalize):

@@ -26,7 +26,8 @@ from .files import cached_file_values
 from .items import Target
 from .pipeline import on_device
 from fastai.vision.augment import Resize
-from .translate import ImageRecipe, _border
+from .recipe import ImageRecipe
+from .steps import _border
 
 # %% ../nbs/03c_masks.ipynb #66b90848
 def _codes_of(img:Image.Image, # an opened mask

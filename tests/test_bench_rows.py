@@ -2,7 +2,9 @@
 import contextlib, io
 import pytest
 import dali_fastai.bench as b
-from dali_fastai.bench import bench, bench_images, COMPILED, LEFTOVER
+from dali_fastai.bench import bench
+from dali_fastai.measure import bench_images
+from dali_fastai.baselines import COMPILED, LEFTOVER
 
 
 @pytest.fixture(scope='module')

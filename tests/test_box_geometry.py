@@ -13,7 +13,7 @@ from fastai.vision.all import (DataBlock, ImageBlock, BBoxBlock, BBoxLblBlock, P
 from PIL import Image
 
 from dali_fastai.data import DaliDataLoaders
-from dali_fastai.translate import RandomBoxCrop
+from dali_fastai.steps import RandomBoxCrop
 from helpers import assert_resume_replays
 
 DEVICE = os.environ.get('DALI_FASTAI_TEST_DEVICE', 'cpu')

@@ -247,7 +247,7 @@ def test_demo_trains_at_the_embedded_datas_size():
 
 def test_bench_step_and_peers_reach_their_functions(tmp_path, monkeypatch):
     "`bench --task step` runs the step bench (archs, batch sizes) and the tasks' rows; `--peers` reaches the peers"
-    import dali_fastai.stepbench as sb, dali_fastai.bench as bm, dali_fastai.peers as pe
+    import dali_fastai.stepbench as sb, dali_fastai.bench as bm, dali_fastai.measure as ms, dali_fastai.taskbench as tb, dali_fastai.peers as pe
     calls = []
     monkeypatch.setattr(sb, 'step_bench', lambda *a, **k: calls.append(('step', a, k)) or {'rows': {}})
     monkeypatch.setattr(sb, 'task_step_bench', lambda t, **k: calls.append((t, k)) or {'rows': {}})
@@ -255,10 +255,10 @@ def test_bench_step_and_peers_reach_their_functions(tmp_path, monkeypatch):
     assert calls[0][1][1:4] == (('resnet18',), (64, 256), 224) and [c[0] for c in calls[1:]] == ['segmentation', 'detection', 'retinanet']
     assert (tmp_path/'step.json').is_file()
     monkeypatch.setattr(bm, 'bench', lambda *a, **k: calls.append(('bench', k)) or {})
-    monkeypatch.setattr(bm, 'bench_images', lambda **k: tmp_path)
+    monkeypatch.setattr(ms, 'bench_images', lambda **k: tmp_path)
     cli.main(['bench', '--peers', '--device', 'cpu'])
     assert calls[-1][0] == 'bench' and calls[-1][1]['peers'] is True
-    monkeypatch.setattr(bm, 'segmentation_bench', lambda *a, **k: {})
+    monkeypatch.setattr(tb, 'segmentation_bench', lambda *a, **k: {})
     monkeypatch.setattr(pe, 'segmentation_peers', lambda *a, **k: calls.append(('seg peers', a)) or {})
     cli.main(['bench', '--task', 'segmentation', '--peers', '--device', 'cpu'])
     assert calls[-1] == ('seg peers', (None, 128, 64))

@@ -28,7 +28,8 @@ from nvidia.dali.pipeline import Pipeline
 
 from dali_fastai.augment import synthetic_warps
 from dali_fastai.pipeline import train_pipeline, valid_pipeline, read_files
-from dali_fastai.translate import fastai_recipe, keyword_recipe, ImageRecipe
+from dali_fastai.translate import fastai_recipe
+from dali_fastai.recipe import keyword_recipe, ImageRecipe
 
 SIGMAS = 4.5
 
@@ -326,7 +327,7 @@ def batch_matrices(recipe, bs=4, batches=6, seed=0)->list:
 
 def test_batch_true_geometry_is_drawn_a_batch_at_a_time():
     "Draws that fastai makes per sample come 8 batches a call; a `batch=True` coin stays one per batch, new each batch"
-    from dali_fastai.translate import GeometryStep
+    from dali_fastai.steps import GeometryStep
     from fastai.vision.augment import AffineCoordTfm, RandomResizedCropGPU
     assert all(GeometryStep(t, True).alone for t in aug_transforms() if isinstance(t, AffineCoordTfm))
     assert not any(GeometryStep(t, True).alone for t in aug_transforms(batch=True) if isinstance(t, AffineCoordTfm))

@@ -14,7 +14,8 @@ from fastai.data.transforms import Normalize
 from nvidia.dali import fn
 from nvidia.dali.pipeline import Pipeline
 
-from dali_fastai.translate import fastai_recipe, keyword_recipe
+from dali_fastai.translate import fastai_recipe
+from dali_fastai.recipe import keyword_recipe
 
 from helpers import gpu_marks
 

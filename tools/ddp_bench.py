@@ -31,7 +31,7 @@ from fastai.optimizer import OptimWrapper
 from fastai.vision.learner import vision_learner, create_vision_model
 from torchvision.models import resnet50
 
-from dali_fastai.bench import bench_images
+from dali_fastai.measure import bench_images
 from dali_fastai.distributed import DaliDistributed
 from dali_fastai.faststep import FastStep
 from dali_fastai.data import DaliDataLoaders

@@ -27,7 +27,7 @@ from nvidia.dali import types
 from fastai.callback.core import Callback
 from fastai.data.core import DataLoaders
 
-from dali_fastai.bench import bench_images, training_throughput, side_by_side, SyntheticLoader, _endless
+from dali_fastai.measure import bench_images, training_throughput, side_by_side, SyntheticLoader, _endless
 from dali_fastai.data import DaliDataLoaders
 
 

@@ -23,7 +23,8 @@ from fastai.callback.core import Callback
 from dali_fastai.augment import combine_steps, lighting, warp
 from dali_fastai.loader import priority_stream
 from dali_fastai.pipeline import HW_DECODER_LOAD, augment_steps, decoder_args, normalize
-from dali_fastai.translate import KeywordRecipe, _image_hw
+from dali_fastai.recipe import KeywordRecipe
+from dali_fastai.steps import _image_hw
 
 sys.path.insert(0, str(Path(__file__).parent))
 from handover_probe import threaded

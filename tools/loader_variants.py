@@ -13,7 +13,7 @@ import argparse, gc, statistics, time
 from fastai.data.transforms import Normalize
 from fastai.vision.augment import RandomResizedCrop, aug_transforms
 from fastai.vision.core import imagenet_stats
-from dali_fastai.bench import bench_images, side_by_side
+from dali_fastai.measure import bench_images, side_by_side
 from dali_fastai.colour import lighting_draws
 from dali_fastai.draws import HostDraws
 from dali_fastai.data import DaliDataLoaders

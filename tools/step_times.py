@@ -47,7 +47,7 @@ from fastai.callback.core import Callback, CancelValidException
 from fastai.data.core import DataLoaders
 from fastai.optimizer import OptimWrapper
 
-from dali_fastai.bench import bench_images, SyntheticLoader, throughput_learner
+from dali_fastai.measure import bench_images, SyntheticLoader, throughput_learner
 from dali_fastai.data import DaliDataLoaders
 from dali_fastai.pipeline import valid_pipeline
 
@@ -183,7 +183,7 @@ if __name__ == '__main__':
     synth = SyntheticLoader(256, 224, 10, torch.device('cuda'), n=len(dls.train))
     if a.burn:
         from handover_probe import plain_loop
-        from dali_fastai.bench import _endless
+        from dali_fastai.measure import _endless
         small = SyntheticLoader(32, 224, 10, torch.device('cuda'), n=len(dls.train))
         print(f"== {torch.cuda.get_device_name()} | resnet18, 224 px | synthetic batch, {a.burn} cores busy or not | {a.opt} optimizer", flush=True)
         for run in range(2):

@@ -19,7 +19,7 @@ from torch.profiler import profile, ProfilerActivity
 from fastai.callback.core import Callback, CancelFitException
 from fastai.data.core import DataLoaders
 
-from dali_fastai.bench import bench_images, training_throughput, throughput_learner, side_by_side, SyntheticLoader
+from dali_fastai.measure import bench_images, training_throughput, throughput_learner, side_by_side, SyntheticLoader
 from dali_fastai.data import DaliDataLoaders
 
 
