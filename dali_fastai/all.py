@@ -35,6 +35,7 @@ with warnings.catch_warnings():
         tfrecord_index, dblock_shards)
     from dali_fastai.blocks import label_targets, dblock_items
     from dali_fastai.data import DaliDataLoaders
+    from dali_fastai.layouts import dataloaders_for, detection_dataloaders, segmentation_dataloaders
     from dali_fastai.callbacks import UnpackDaliBatch, ClampSchedPos, restart_epoch, DaliResetCallback
     from dali_fastai.faststep import FastStep, FastOptimizer, torch_step, on_device, HostReads
     from dali_fastai.distributed import DaliDistributed, DaliCheckpoint
@@ -60,7 +61,8 @@ __all__ = ['warp_matrix', 'synthetic_warps', 'rotation_matrix', 'compose_matrice
            'ImageItems', 'usable_items', 'DaliEpoch', 'PipelineSource', 'to_device_async', 'DaliDataLoader', 'BoxTarget', 'BoxLabelTarget',
            'PointTarget', 'prepare_masks', 'mask_values', 'check_mask_values', 'MaskTarget', 'shard_index',
            'write_shards', 'folder_shards', 'check_shards', 'parse_label', 'ShardItems', 'tfrecord_index',
-           'dblock_shards', 'label_targets', 'dblock_items', 'DaliDataLoaders', 'UnpackDaliBatch', 'ClampSchedPos',
+           'dblock_shards', 'label_targets', 'dblock_items', 'DaliDataLoaders', 'dataloaders_for', 'detection_dataloaders',
+           'segmentation_dataloaders', 'UnpackDaliBatch', 'ClampSchedPos',
            'restart_epoch', 'DaliResetCallback', 'FastStep', 'FastOptimizer', 'torch_step', 'on_device', 'HostReads',
            'DaliDistributed', 'DaliCheckpoint', 'FASHION_MNIST_CLASSES', 'fashion_mnist_df', 'write_once',
            'fashion_mnist', 'SCENE_CODES', 'fashion_scenes', 'small_detector', 'padded_detections',

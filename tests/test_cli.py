@@ -11,6 +11,7 @@ import torch
 from PIL import Image
 
 from dali_fastai import cli
+from dali_fastai.layouts import dataloaders_for
 
 
 def image_folder(root:Path, splits=('train', 'valid'), n:int=4)->Path:
@@ -89,14 +90,14 @@ def test_valid_pct_is_passed_through(tmp_path, monkeypatch):
 
 def test_valid_pct_splits_at_random(tmp_path):
     data = image_folder(tmp_path/'data', splits=('train',), n=10)
-    dls = cli.dataloaders_for(data, valid_pct=0.25, bs=2, size=8, device='cpu', seed=0)
+    dls = dataloaders_for(data, valid_pct=0.25, bs=2, size=8, device='cpu', seed=0)
     assert (len(dls.train_ds), len(dls.valid_ds)) == (15, 5)
     assert set(dls.vocab) == {'dark', 'light'}
 
 
 def test_valid_pct_overrides_valid_folder(tmp_path):
     data = image_folder(tmp_path/'data', n=10)
-    dls = cli.dataloaders_for(data, valid_pct=0.5, bs=2, size=8, device='cpu', seed=0)
+    dls = dataloaders_for(data, valid_pct=0.5, bs=2, size=8, device='cpu', seed=0)
     assert (len(dls.train_ds), len(dls.valid_ds)) == (10, 10)  # train/ split in two; valid/ unused
     assert all('/train/' in str(f) for f in dls.valid.items.files)
 
