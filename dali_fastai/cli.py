@@ -301,7 +301,7 @@ def _bench(task:str, path, n_per_class:int, size:int|None, bs:int|None, archs:st
         res = (detection_bench if task == 'detection' else segmentation_bench)(path, size, bs, archs=archs, **kwargs)
         if peers:
             from dali_fastai.peers import detection_peers, segmentation_peers  # optional extras, imported when asked for
-            res['peers'] = (detection_peers if task == 'detection' else segmentation_peers)(path, size, bs, **kwargs)
+            res['peers'] = (detection_peers if task == 'detection' else segmentation_peers)(path, size=size, bs=bs, **kwargs)
         return res
     return bench(path if path is not None else bench_images(n_per_class=n_per_class), size, bs, archs=archs,
                  fastai_loader=fastai_loader, out=out, peers=peers, **kwargs)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset, DataLoader
 from torchvision.io import decode_jpeg, decode_png, ImageReadMode
 from fasttransform import Pipeline
+from fastcore.meta import delegates
 from fastai.data.transforms import Normalize
 from fastai.torch_core import TensorImage, TensorCategory
 from fastai.vision.augment import RandomResizedCropGPU, aug_transforms
@@ -326,39 +327,51 @@ def format_peers(p:dict)->list: # lines
     return lines
 
 # %% ../nbs/05a_peers.ipynb #b3f7b2b8
-def _print_rows(p:dict, device:torch.device)->dict:
+def _read_mask(f:Path)->np.ndarray: return decode_png(read_bytes(f))[0].numpy()  # an array crosses from a worker by value
+
+def _coco_targets(root:Path, vocab)->tuple:
+    "The training images of a COCO folder, and their boxes with the labels' indices in `vocab`"
+    recs = read_coco(root/'annotations'/'train.json', root/'JPEGImages')[0]
+    index = {c: i for i,c in enumerate(vocab)}
+    return [r.file for r in recs],[(np.asarray(r.boxes, dtype=np.float32).reshape(-1, 4),
+                                    np.array([index[l] for l in r.labels], dtype=np.int64)) for r in recs]
+
+def _voc_mask_targets(root:Path, vocab)->tuple:
+    "The training images of a Pascal VOC segmentation folder, and the grayscale copies of their masks"
+    stems = (root/'ImageSets'/'Segmentation'/'train.txt').read_text().split()
+    files = [root/'JPEGImages'/f'{s}.jpg' for s in stems]
+    return files,prepare_masks([root/'SegmentationClass'/f'{s}.png' for s in stems], files, progress=False)
+
+def _task_peers(task:str, # 'detection' or 'segmentation'
+                dblock:Callable, # `dblock(root, size)`: the task's DataBlock, as `detection_bench` or `segmentation_bench` reads it
+                targets:Callable, # `targets(root, vocab)`: the training images and their targets, for the peers
+                root:str|Path|None=None, # the task's folder; default: the embedded scenes
+                size:int=128, bs:int=64, # image side and batch size, as the task's bench
+                device:str|None=None, # 'cpu' or 'gpu'; default: the GPU if visible
+                n_batches:int=20, warmup:int=3, passes:int=3, # `task_bench`'s
+                workers:int|None=None, # the byte readers' worker processes; default: one per core
+                **kwargs, # `peer_rows`' other settings: read_target
+               )->dict: # `peer_rows`' results, with the machine
+    "The peers of `task`, beside dali_fastai's loader made from the same DataBlock, on the training images of `root`; print them"
+    device,root = as_device(device),fashion_scenes(progress=False) if root is None else Path(root)
+    dali = DaliDataLoaders.from_dblock(dblock(root, size), root/'JPEGImages', bs=bs, device=device, seed=0)
+    files,ys = targets(root, dali.vocab)
+    p = peer_rows(task, files, ys, size, bs, device, n_batches, warmup, passes, workers,
+                  {f'dali_fastai {task} train': dali.train}, **kwargs)
     p['machine'] = machine_info(device)
     print('\n'.join(format_peers(p)))
     return p
 
-def _read_mask(f:Path)->np.ndarray: return decode_png(read_bytes(f))[0].numpy()  # an array crosses from a worker by value
-
+@delegates(_task_peers)
 def detection_peers(root:str|Path|None=None, # COCO folder (see `coco_dblock`); default: the embedded scenes
-                    size:int=128, bs:int=64, # `detection_bench`'s
-                    device:str|None=None, # 'cpu' or 'gpu'; default: the GPU if visible
-                    n_batches:int=20, warmup:int=3, passes:int=3, # `task_bench`'s
-                    workers:int|None=None, # the byte readers' worker processes; default: one per core
+                    **kwargs, # `_task_peers`' settings: size, bs, device, n_batches, warmup, passes, workers
                    )->dict: # `peer_rows`' results, with the machine
     "The peers that take boxes, beside dali_fastai's detection loader, on the training images of `root`; print them"
-    device,root = as_device(device),fashion_scenes(progress=False) if root is None else Path(root)
-    dali = DaliDataLoaders.from_dblock(coco_dblock(root, size), root/'JPEGImages', bs=bs, device=device, seed=0)
-    recs = read_coco(root/'annotations'/'train.json', root/'JPEGImages')[0]
-    vocab = {c: i for i,c in enumerate(dali.vocab)}
-    ys = [(np.asarray(r.boxes, dtype=np.float32).reshape(-1, 4), np.array([vocab[l] for l in r.labels], dtype=np.int64)) for r in recs]
-    return _print_rows(peer_rows('detection', [r.file for r in recs], ys, size, bs, device, n_batches, warmup, passes, workers,
-                                 {'dali_fastai detection train': dali.train}), device)
+    return _task_peers('detection', coco_dblock, _coco_targets, root, **kwargs)
 
+@delegates(_task_peers)
 def segmentation_peers(root:str|Path|None=None, # Pascal VOC segmentation folder (see `voc_segmentation_dblock`); default: the embedded scenes
-                       size:int=128, bs:int=64, # `segmentation_bench`'s
-                       device:str|None=None, # 'cpu' or 'gpu'; default: the GPU if visible
-                       n_batches:int=20, warmup:int=3, passes:int=3, # `task_bench`'s
-                       workers:int|None=None, # the byte readers' worker processes; default: one per core
+                       **kwargs, # `_task_peers`' settings: size, bs, device, n_batches, warmup, passes, workers
                       )->dict: # `peer_rows`' results, with the machine
     "The peers that take masks, beside dali_fastai's segmentation loader, on the training images of `root`; print them"
-    device,root = as_device(device),fashion_scenes(progress=False) if root is None else Path(root)
-    dali = DaliDataLoaders.from_dblock(voc_segmentation_dblock(root, size), root/'JPEGImages', bs=bs, device=device, seed=0)
-    stems = (root/'ImageSets'/'Segmentation'/'train.txt').read_text().split()
-    files = [root/'JPEGImages'/f'{s}.jpg' for s in stems]
-    masks = prepare_masks([root/'SegmentationClass'/f'{s}.png' for s in stems], files, progress=False)
-    return _print_rows(peer_rows('segmentation', files, masks, size, bs, device, n_batches, warmup, passes, workers,
-                                 {'dali_fastai segmentation train': dali.train}, read_target=_read_mask), device)
+    return _task_peers('segmentation', voc_segmentation_dblock, _voc_mask_targets, root, read_target=_read_mask, **kwargs)

@@ -268,9 +268,9 @@ def test_bench_step_and_peers_reach_their_functions(tmp_path, monkeypatch):
     cli.main(['bench', '--peers', '--device', 'cpu'])
     assert calls[-1][0] == 'bench' and calls[-1][1]['peers'] is True
     monkeypatch.setattr(tb, 'segmentation_bench', lambda *a, **k: {})
-    monkeypatch.setattr(pe, 'segmentation_peers', lambda *a, **k: calls.append(('seg peers', a)) or {})
+    monkeypatch.setattr(pe, 'segmentation_peers', lambda *a, **k: calls.append(('seg peers', a, {n: k[n] for n in ('size', 'bs', 'device')})) or {})
     cli.main(['bench', '--task', 'segmentation', '--peers', '--device', 'cpu'])
-    assert calls[-1] == ('seg peers', (None, 128, 64))
+    assert calls[-1] == ('seg peers', (None,), {'size': 128, 'bs': 64, 'device': 'cpu'})
 
 
 def test_train_flags_state_each_tasks_defaults():
