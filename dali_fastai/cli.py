@@ -219,7 +219,7 @@ def parser()->argparse.ArgumentParser:
                    "take boxes or masks); needs pip install 'dali-fastai[bench]'")
     b.add_argument('--epochs', type=int, default=5, help="--task accuracy: epochs of each run (default: 5)")
     b.add_argument('--size', type=int, default=None, help="image side in pixels (default: 224; detection, segmentation: 128)")
-    b.add_argument('--bs', type=int, default=None, help="batch size (default: 256; detection, segmentation: 64)")
+    b.add_argument('--bs', type=int, default=None, help="batch size (default: 256; detection, segmentation, accuracy: 64, fastai's default)")
     b.add_argument('--device', choices=['cpu', 'gpu'], default=None, help="default: the GPU if one is visible")
     b.add_argument('--batches', type=int, default=30, dest='n_batches', help="batches timed a pass (default: 30)")
     b.add_argument('--warmup', type=int, default=5, help="warm-up batches before each pass (default: 5)")
@@ -280,7 +280,7 @@ def _bench(task:str, path, n_per_class:int, size:int|None, bs:int|None, archs:st
         return _saved(scale_bench(tuple(int(n) for n in sizes.split(',') if n), path), out, 'scale.json')
     if task == 'accuracy':
         for k in ('n_batches', 'warmup', 'passes'): kwargs.pop(k, None)
-        return _saved(time_to_accuracy(path, (archs or 'resnet18').split(',')[0], epochs, size=size or 224, bs=bs or 256,
+        return _saved(time_to_accuracy(path, (archs or 'resnet18').split(',')[0], epochs, size=size or 224, bs=bs or 64,
                                        **kwargs), out, 'accuracy.json')
     if task == 'step':
         from dali_fastai.stepbench import step_bench, task_step_bench

@@ -294,3 +294,13 @@ def test_train_passes_only_the_flags_set(monkeypatch):
     with pytest.raises(SystemExit, match='--box-crop: for --task detection only'): cli.main(['train', '--task', 'segmentation', '--box-crop'])
     with pytest.raises(SystemExit, match='--valid-pct and --pretrained are for classification'):
         cli.main(['train', '--task', 'segmentation', '--pretrained'])
+
+
+def test_bench_accuracy_at_fastais_batch_size(tmp_path, monkeypatch):
+    "`bench --task accuracy` trains at fastai's default bs 64 unless `--bs` says otherwise"
+    import dali_fastai.taskbench as tb
+    calls = []
+    monkeypatch.setattr(tb, 'time_to_accuracy', lambda *a, **k: calls.append(k) or {})
+    cli.main(['bench', str(tmp_path), '--task', 'accuracy', '--device', 'cpu', '--out', str(tmp_path)])
+    cli.main(['bench', str(tmp_path), '--task', 'accuracy', '--device', 'cpu', '--bs', '128', '--out', str(tmp_path)])
+    assert [k['bs'] for k in calls] == [64, 128]
