@@ -24,10 +24,8 @@ from nvidia.dali.data_node import DataNode
 from .util import cache_dir, _progress
 from .files import cached_file_values
 from .items import Target
-from .pipeline import on_device
+from .nodes import on_device, _border
 from fastai.vision.augment import Resize
-from .recipe import ImageRecipe
-from .steps import _border
 
 # %% ../nbs/03c_masks.ipynb #66b90848
 def _codes_of(img:Image.Image, # an opened mask
@@ -159,12 +157,15 @@ def mask_map(window:DataNode, # per sample `[4]`: `x0, y0, x1, y1` in source pix
     return fn.stack(matrix[0]*a + matrix[2]*tx, matrix[1]*b + matrix[2]*ty, matrix[2])
 
 # %% ../nbs/03c_masks.ipynb #b509018f
-def _pads_image(recipe:ImageRecipe)->bool:
+def _pads_image(recipe, # the images' `ImageRecipe`
+               )->bool:
     "Whether the item step pads the whole image to its window (`Resize(method='pad')`), by its own `pad_mode`"
     t = getattr(recipe.item, 'tfm', None)
     return isinstance(t, Resize) and str(t.method) == 'pad'
 
-def _mask_border(recipe:ImageRecipe, void_code:int|None)->tuple:
+def _mask_border(recipe, # the images' `ImageRecipe`
+                 void_code:int|None, # the mask's `void_code`
+                )->tuple:
     "(DALI border mode, fill) of the mask's warp: `void_code` everywhere padded, else the padding the image's pixels took there"
     if void_code is not None: return 'constant',void_code
     if _pads_image(recipe): return _border(recipe.item.tfm.pad_mode),0
@@ -216,7 +217,7 @@ class MaskTarget(Target):
     def graph(self, encoded:DataNode, # the masks' encoded files, from the side reader
               window:DataNode, # the item step's source windows
               matrix:DataNode, # output → item pixel maps
-              recipe:ImageRecipe, # the images' recipe (sizes and padding)
+              recipe, # the images' `ImageRecipe` (sizes and padding)
               device_id:int|None=None, # GPU id, or None for the CPU backend
              )->tuple: # (masks `[h, w, 1]` uint8 of the output size, each mask's largest code on the CPU)
         "The masks' graph: decode (CPU), measure, cut to the window, upload, warp once with nearest sampling"

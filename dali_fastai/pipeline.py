@@ -7,7 +7,7 @@ Docs: https://dali-fastai.github.io/dali_fastai/pipeline.html.md"""
 # %% auto #0
 __all__ = ['HW_DECODER_LOAD', 'HW_DECODER_HINT', 'IMAGENET_MEAN', 'IMAGENET_STD', 'read_files', 'shuffled', 'decoder_args',
            'decode_random_crop', 'decode_center_crop', 'augment_steps', 'augment', 'normalize', 'default_threads',
-           'new_pipeline', 'on_device', 'classification_pipeline', 'train_pipeline', 'valid_pipeline']
+           'new_pipeline', 'classification_pipeline', 'train_pipeline', 'valid_pipeline']
 
 # %% ../nbs/02_pipeline.ipynb #e5c43764
 import os
@@ -17,6 +17,7 @@ from nvidia.dali import fn, types
 from nvidia.dali.pipeline import Pipeline
 from nvidia.dali.data_node import DataNode
 from .augment import hw, affine_steps, combine_steps, warp, lighting, synthetic_warps
+from .nodes import on_device
 
 # %% ../nbs/02_pipeline.ipynb #6f0f913c
 def read_files(files:list, # image paths
@@ -160,11 +161,6 @@ def new_pipeline(bs:int, # batch size
     if bs < 1: raise ValueError(f"bs must be at least 1, got {bs}")
     return Pipeline(batch_size=bs, num_threads=num_threads or default_threads(), device_id=device_id,
                     seed=seed, prefetch_queue_depth=prefetch, enable_checkpointing=True, checkpoint=checkpoint)
-
-# %% ../nbs/02_pipeline.ipynb #41b9d051
-def on_device(x:DataNode, device_id:int|None)->DataNode:
-    "`x` moved to the GPU when the pipeline has one"
-    return x if device_id is None else x.gpu()
 
 # %% ../nbs/02_pipeline.ipynb #bfbf41e4
 def classification_pipeline(files:list, # image paths

@@ -21,7 +21,8 @@ from .draws import HostDraws
 from .colour import lighting_draws, lighting_alone, colour_node
 from .pipeline import (IMAGENET_MEAN, IMAGENET_STD, HW_DECODER_LOAD, decode_random_crop, decode_center_crop, augment,
                                   normalize)
-from .steps import ItemStep, norm_to_pixels, _is_node, _border, _resize, _INTERP
+from .nodes import _border
+from .steps import ItemStep, norm_to_pixels, _is_node, _resize, _INTERP
 
 # %% ../nbs/02b2_recipe.ipynb #901abaae
 _DTYPES = {'float32': types.FLOAT, 'float16': types.FLOAT16}

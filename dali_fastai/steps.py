@@ -23,6 +23,7 @@ from fastai.vision.augment import _WarpCoord
 from .augment import hw
 from .draws import stand_in, check_draw, independent
 from .pipeline import HW_DECODER_LOAD, decoder_args
+from .nodes import _border
 
 # %% ../nbs/02b1_steps.ipynb #c115f2b6
 def norm_to_pixels(h:int, # image height, in pixels
@@ -86,14 +87,7 @@ def _window_map(in_hw:tuple, # (h, w) of the image cropped
                         dtype=torch.float64)
 
 # %% ../nbs/02b1_steps.ipynb #723966c0
-_BORDERS = {'reflection': 'reflect_101', 'zeros': 'constant', 'border': 'replicate'}
 _INTERP = {'bilinear': types.INTERP_LINEAR, 'nearest': types.INTERP_NN, 'bicubic': types.INTERP_CUBIC}
-
-def _border(pad_mode, align_corners=True):
-    "DALI's border mode for fastai's `pad_mode` (`grid_sample` reflects about the edge pixels' centres when aligning corners)"
-    pad_mode = str(pad_mode)
-    if pad_mode not in _BORDERS: raise ValueError(f"pad_mode must be one of {list(_BORDERS)}, got {pad_mode!r}")
-    return 'reflect' if pad_mode == 'reflection' and not align_corners else _BORDERS[pad_mode]
 
 def _image_hw(encoded):
     "Per-sample height and width of the encoded images, as float scalars"
