@@ -8,7 +8,6 @@ Docs: https://dali-fastai.github.io/dali_fastai/data.html.md"""
 __all__ = ['ARG_CHECKS', 'DaliDataLoaders']
 
 # %% ../nbs/03a_data.ipynb #92089cf3
-import os
 from pathlib import Path
 import pandas as pd
 import torch
@@ -17,60 +16,16 @@ from fastcore.xtras import is_listy
 from fastai.data.block import MultiCategoryBlock, DataBlock
 from fastai.vision.data import ImageBlock, MaskBlock
 from fastai.data.core import DataLoaders
-from fastai.data.transforms import (RandomSplitter, RegexLabeller, get_image_files, image_extensions, parent_label,
-                                    ToTensor, IntToFloatTensor, _get_files)
+from fastai.data.transforms import RandomSplitter, RegexLabeller, get_image_files, parent_label, ToTensor, IntToFloatTensor
 from fastai.vision.core import PILImage, PointScaler, BBoxLabeler, AddMaskCodes
 from fastai.vision.data import bb_pad
 from .checks import check_arg, check_settings
-from .items import ImageItems, bad_files
-from .blocks import label_targets, dblock_items, box_items, InMemoryImages, _unseen, _user_tfms, _with_boxes
+from .items import ImageItems
+from .blocks import (label_targets, dblock_items, box_items, InMemoryImages, _unseen, _user_tfms, _with_boxes,
+    _check_files, _check_class_folders, _folder_files, _column, _labels, _usable_splits)
 from .loader import DaliDataLoader
 from .shards import ShardItems, TFRecordItems, IMAGE_EXTS, shard_targets
 from .annotations import read_coco, read_voc
-
-# %% ../nbs/03a_data.ipynb #34f8eb9a
-def _check_files(files, where):
-    if len(files) == 0:
-        raise ValueError(f"no images in {where}: check the path and folder names (fastai's get_image_files finds the images)")
-
-def _check_class_folders(path, splits, files):
-    "Raise if a class folder under `path/<split>` holds no image: it would silently not be a class"
-    found = {os.path.dirname(f) for f in map(str, files)}  # text, not `Path.parent`: a million files take a second less
-    empty = [d for s in splits if (path/s).is_dir() for d in sorted((path/s).iterdir()) if d.is_dir() and str(d) not in found]
-    if empty:
-        names = [str(d.relative_to(path)) for d in empty]
-        raise ValueError(f"class folder(s) with no images: {names[:5]}{' ...' if len(names) > 5 else ''}: add images "
-                         "to them or remove them")
-
-def _folder_files(path:Path, # the dataset's root
-                  folders:list, # its top-level folders to read (`train`, `valid`)
-                 )->list: # `[(folder, [image Paths]), ...]`
-    "fastai's `get_image_files(path, folders=folders)` a folder at a time: the same files in the same order"
-    exts,res = {e.lower() for e in image_extensions},[]
-    for i,(p,d,fs) in enumerate(os.walk(path, followlinks=True)):  # `get_files`'s walk, keeping each folder's files apart
-        d[:] = [o for o in d if o in folders] if i == 0 else [o for o in d if not o.startswith('.')]
-        if i == 0 and '.' not in folders: continue
-        res.append((Path(p), _get_files(p, fs, exts)))
-    return res
-
-def _column(df:pd.DataFrame, col)->list:
-    "The values of column `col`, a name or a position (as fastai's `ColReader`)"
-    return list(df.iloc[:, col] if isinstance(col, int) else df[col])
-
-def _labels(df:pd.DataFrame, label_col, label_delim:str|None)->list:
-    "Each row's target from `label_col` (several columns: a list per row), split at `label_delim` (fastai's `ColReader`)"
-    if is_listy(label_col) and len(label_col) > 1: return [list(r) for r in zip(*[_column(df, c) for c in label_col])]
-    vals = _column(df, label_col[0] if is_listy(label_col) else label_col)
-    if label_delim is None: return vals
-    return [str(v).split(label_delim) if isinstance(v, str) and len(v) else [] for v in vals]
-
-def _usable_splits(train:ImageItems, valid:ImageItems, path, skip_bad_files:bool)->tuple:
-    "Both splits checked in one `check_images` call: one error, or one warning"
-    bad = bad_files([*train.files, *valid.files], skip_bad_files, root=path)
-    res = train.without(bad),valid.without(bad)
-    _check_files(res[0].files, 'the training set, once the bad files are left out')
-    _check_files(res[1].files, 'the validation set, once the bad files are left out')
-    return res
 
 # %% ../nbs/03a_data.ipynb #7491c053
 def _is_listy(v)->bool: return hasattr(v, '__len__') and not isinstance(v, (str, bytes, Path))

@@ -8,6 +8,7 @@ Docs: https://dali-fastai.github.io/dali_fastai/nodes.html.md"""
 __all__ = ['on_device']
 
 # %% ../nbs/00a1_nodes.ipynb #4b6b6316
+import re
 from nvidia.dali.data_node import DataNode
 
 # %% ../nbs/00a1_nodes.ipynb #32ef9ece
@@ -23,3 +24,13 @@ def _border(pad_mode, align_corners=True):
     pad_mode = str(pad_mode)
     if pad_mode not in _BORDERS: raise ValueError(f"pad_mode must be one of {list(_BORDERS)}, got {pad_mode!r}")
     return 'reflect' if pad_mode == 'reflection' and not align_corners else _BORDERS[pad_mode]
+
+# %% ../nbs/00a1_nodes.ipynb #a55d2762
+_SMALL_OPS = {'ArithmeticGenericOp', 'Constant', 'Cast', 'Reshape', 'Stack', 'TensorSubscript', 'Sum', 'Uniform', 'CoinFlip',
+              'OneHot', 'Choice', 'PermuteBatch', 'Cat', 'Combine', 'Rotation', 'Normal', 'PeekImageShape', 'ExternalSource'}
+
+def _op_names(pipe)->list:
+    "The operators of a built DALI pipeline, in graph order, the small ones counted"
+    names = [re.sub(r'^_+|_\d+$', '', op.name) for op in pipe._ops]  # DALI keeps its operators in `_ops`
+    main = [n for n in names if n not in _SMALL_OPS]
+    return main + ([f'(and {len(names) - len(main)} small operators: arithmetic, constants, random draws)'] if len(main) < len(names) else [])

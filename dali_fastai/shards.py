@@ -6,11 +6,11 @@ Docs: https://dali-fastai.github.io/dali_fastai/shards.html.md"""
 
 # %% auto #0
 __all__ = ['IMAGE_EXTS', 'SHARD_FORMATS', 'TARGETS_FILE', 'shard_index', 'index_count', 'check_index', 'write_shards',
-           'folder_shards', 'check_shards', 'parse_label', 'ShardItems', 'tf_example', 'tf_record', 'parse_example',
-           'tfrecord_records', 'tfrecord_index', 'TFRecordItems', 'dblock_shards', 'shard_targets']
+           'folder_shards', 'check_shards', 'parse_label', 'ShardItems', 'tfrecord_index', 'TFRecordItems',
+           'dblock_shards', 'shard_targets']
 
 # %% ../nbs/03d_shards.ipynb #4c7d1343
-import io, os, pickle, random, struct
+import io, os, pickle, random
 from concurrent.futures import ProcessPoolExecutor
 from multiprocessing import get_context
 from pathlib import Path
@@ -20,7 +20,8 @@ from nvidia.dali import fn, types
 from nvidia.dali import math as dmath
 from nvidia.dali.data_node import DataNode
 from .files import image_format
-from .shardindex import _split, _wds_index_text, _frames, _tfrecord_index_text
+from dali_fastai.shardindex import (_split, _wds_index_text, _tfrecord_index_text, tf_example, tf_record, parse_example,
+    tfrecord_records)
 from .util import _progress
 from .items import ImageItems, category_target
 from .blocks import dblock_items, _target_kinds
@@ -280,79 +281,6 @@ class ShardItems(ImageItems):
                                            shuffle_after_epoch=shuffle, pad_last_batch=True, shard_id=shard_id,
                                            num_shards=num_shards, stick_to_shard=not shuffle, name=name, **kw)
         return images,parse_label(cls, self.label_offset)
-
-# %% ../nbs/03d_shards.ipynb #336f2fe2
-def _varint(n:int)->bytes:
-    n &= (1 << 64) - 1  # int64 as protobuf writes it: negative numbers take ten bytes
-    out = bytearray()
-    while True:
-        b,n = n & 0x7f,n >> 7
-        out.append(b | (0x80 if n else 0))
-        if not n: return bytes(out)
-
-def _field(num:int, payload:bytes)->bytes: return _varint(num << 3 | 2) + _varint(len(payload)) + payload  # length-delimited
-
-def tf_example(image:bytes, # the encoded image
-               label:int, # its class
-               image_key:str='image/encoded', label_key:str='image/class/label', # feature names
-              )->bytes: # a serialized `tf.train.Example`
-    "A `tf.train.Example` with the image as a bytes feature and the label as an int64 feature, serialized"
-    feats = {image_key: _field(1, _field(1, image)), label_key: _field(3, _field(1, _varint(int(label))))}  # BytesList, Int64List
-    return _field(1, b''.join(_field(1, _field(1, k.encode()) + _field(2, v)) for k,v in feats.items()))
-
-def _masked_crc(data:bytes)->int:
-    import google_crc32c
-    c = google_crc32c.value(data)
-    return (((c >> 15) | (c << 17)) + 0xa282ead8) & 0xffffffff
-
-def tf_record(data:bytes)->bytes:
-    "One record as a TFRecord file frames it: length, its CRC, the data, its CRC"
-    n = struct.pack('<Q', len(data))
-    return n + struct.pack('<I', _masked_crc(n)) + data + struct.pack('<I', _masked_crc(data))
-
-# %% ../nbs/03d_shards.ipynb #1cefe9da
-def _read_varint(b:bytes, i:int)->tuple:
-    n = s = 0
-    while True:
-        n |= (b[i] & 0x7f) << s; s += 7; i += 1
-        if not b[i - 1] & 0x80: return n,i
-
-def _fields(b:bytes)->list:
-    "The length-delimited fields of a protobuf message: `[(number, payload), ...]` (the only kind an Example's path has)"
-    out,i = [],0
-    while i < len(b):
-        tag,i = _read_varint(b, i)
-        if tag & 7 != 2: raise ValueError(f"unexpected protobuf wire type {tag & 7}")
-        n,i = _read_varint(b, i)
-        out.append((tag >> 3, b[i:i + n])); i += n
-    return out
-
-def parse_example(data:bytes)->dict:
-    "A serialized `tf.train.Example` as `{name: bytes (first of a bytes list) or [int, ...] (an int64 list)}`"
-    res = {}
-    for _,features in _fields(data):
-        for _,entry in _fields(features):
-            kv = dict(_fields(entry))
-            (kind,value), = _fields(kv[2])
-            if kind == 1: res[kv[1].decode()] = dict(_fields(value)).get(1, b'')
-            elif kind == 3:
-                (_,packed), = _fields(value) or [(1, b'')]
-                ints,i = [],0
-                while i < len(packed): v,i = _read_varint(packed, i); ints.append(v - (1 << 64) if v >> 63 else v)
-                res[kv[1].decode()] = ints
-    return res
-
-def tfrecord_records(shard)->list:
-    "Every record of a TFRecord file, read and its CRCs checked; raise naming the file and the record"
-    shard,res = Path(shard),[]
-    data = shard.read_bytes()
-    for k,(off,size) in enumerate(_frames(shard, len(data), io.BytesIO(data))):
-        n,body = data[off:off + 8],data[off + 12:off + size - 4]
-        if (struct.unpack('<I', data[off + 8:off + 12])[0] != _masked_crc(n) or
-            struct.unpack('<I', data[off + size - 4:off + size])[0] != _masked_crc(body)):
-            raise ValueError(f"shard {shard}: record {k} (byte {off}) fails its CRC check: the file is damaged; write it again")
-        res.append(body)
-    return res
 
 # %% ../nbs/03d_shards.ipynb #d3377af0
 def tfrecord_index(shard, # a TFRecord file

@@ -14,7 +14,8 @@ from fastai.vision.augment import (Resize, RandomResizedCrop, RandomCrop, CropPa
                                    RandomResizedCropGPU, LightingTfm, HSVTfm)
 from .colour import COLOUR_TFMS, colour_unsupported
 from .steps import Unsupported, ItemStep, GeometryStep, ItemFlip
-from .recipe import ImageRecipe, _order
+from .pipeline import IMAGENET_MEAN, IMAGENET_STD
+from .recipe import ImageRecipe, keyword_recipe, _order
 
 # %% ../nbs/02b_translate.ipynb #d8608f75
 _ITEM_SIZERS = (RandomResizedCrop, Resize, RandomCrop, CropPad)
@@ -133,3 +134,20 @@ def fastai_recipe(item_tfms, # fastai item transforms (one, or a list), e.g. `Ra
     if size is None: raise ValueError("no transform gives the images one size: add Resize(...) or "
                                       "RandomResizedCrop(...) to item_tfms")
     return ImageRecipe(size, item, geometry, colour, mean, std, left, rows, train)
+
+# %% ../nbs/02b_translate.ipynb #4bbb1bc2
+def _recipes(size, # the keywords' output size (fastai's transforms set their own)
+             mean, std, # normalization; None: ImageNet's with keywords, fastai's `Normalize` (if any) with transforms
+             crop_pct:float, # validation with keywords: centre crop's share of the shorter side
+             item_tfms, batch_tfms, # fastai's transforms, or both None
+             aug:dict, # the augmentation keywords
+            )->tuple: # (train, valid) `ImageRecipe`s
+    "The (train, valid) `ImageRecipe`s of a loader: from fastai's transforms, or from the augmentation keywords"
+    if item_tfms is None and batch_tfms is None:
+        kw = dict(size=size, crop_pct=crop_pct, mean=IMAGENET_MEAN if mean is None else mean, std=IMAGENET_STD if std is None else std)
+        return keyword_recipe(True, **kw, **aug),keyword_recipe(False, **kw)
+    if aug: raise TypeError(f"augmentation keywords {sorted(aug)} and fastai transforms (item_tfms/batch_tfms) were both given: "
+                            "use one of them (aug_transforms(...) has an argument for each keyword)")
+    res = tuple(fastai_recipe(item_tfms, batch_tfms, train=t) for t in (True, False))
+    if (mean is None) != (std is None): raise ValueError("pass both mean and std, or neither")
+    return res if mean is None else tuple(r.with_normalize(mean, std) for r in res)
