@@ -10,6 +10,7 @@ __all__ = ['dataloaders_for', 'arch_by_name', 'fit_and_report', 'train', 'detect
 
 # %% ../nbs/06_cli.ipynb #09c440a1
 import argparse, http.client, json, re, sys, time, warnings
+from inspect import signature
 from pathlib import Path
 from fastcore.meta import delegates
 # fastai.layers calls torch.jit.script as it is imported, which newer torch calls deprecated: not the command's user's to act on
@@ -170,25 +171,39 @@ def detection_dataloaders(path:str|Path|None=None, # COCO or Pascal VOC folder; 
                             "other names: pass train_json and valid_json) nor a Pascal VOC one (Annotations/*.xml, "
                             "ImageSets/Main/train.txt and val.txt)")
 
+_DETECTION = ('box_crop', 'train_json', 'valid_json', 'images', 'valid_images', 'train_split', 'valid_split')
+
 @delegates(detection_dataloaders)
+def _train_task(loaders, # `detection_dataloaders` or `segmentation_dataloaders`
+                learner, # `learner(dls, size)` → a fastai `Learner` for the task
+                what:str, # the model, for the last line
+                path:str|Path|None=None, # the task's folder; None: the embedded scenes
+                epochs:int=10, # epochs of `fit_one_cycle`
+                size:int=128, # side of the square images
+                lr:float=1e-3, # peak learning rate
+                device:str|None=None, # 'cpu' or 'gpu'; default: the GPU if visible
+                seed:int|None=None, # seed for order and augmentation
+                export:str|None=None, # save the trained Learner here
+                progress:bool|None=None, # fastai's progress bars; default: when printing to a terminal
+                **kwargs, # the loaders' options: bs, ...
+               ):
+    "The training settings `train_detection` and `train_segmentation` share, and what they do with them: loaders, learner, `fit_and_report`"
+    started = time.perf_counter()  # imports included: they are part of the wait
+    dls = loaders(path, size, device=device, seed=seed, **kwargs)
+    return fit_and_report(learner(dls, size), epochs, lr, what, export, progress, started)
+
+@delegates(_train_task)
 def train_detection(path:str|Path|None=None, # COCO or Pascal VOC folder; None: the embedded scenes
                     arch:str='fcos', # 'fcos' or 'retinanet' (`small_detector`)
-                    epochs:int=10, # epochs of `fit_one_cycle`
-                    size:int=128, # side of the square images
                     bs:int=32, # batch size
-                    lr:float=1e-3, # peak learning rate
-                    device:str|None=None, # 'cpu' or 'gpu'; default: the GPU if visible
-                    seed:int|None=None, # seed for order and augmentation
-                    export:str|None=None, # save the trained Learner here
-                    progress:bool|None=None, # fastai's progress bars; default: when printing to a terminal
-                    **kwargs, # `detection_dataloaders`' layout options: box_crop, train_json, images, train_split, skip_bad, ...
+                    **kwargs, # `_train_task`'s settings (epochs, lr, ...) and `detection_dataloaders`' layout options: box_crop, train_json, ...
                    ):
     "Train a detector on `path` with DALI loaders, print a final line with COCO mAP (`map`, `map_50`), and return the `Learner`"
-    started = time.perf_counter()  # imports included: they are part of the wait
-    from dali_fastai.detection import small_detector, detection_learner
-    dls = detection_dataloaders(path, size, bs=bs, device=device, seed=seed, **kwargs)
-    learn = detection_learner(dls, small_detector(len(dls.vocab), size, arch))
-    return fit_and_report(learn, epochs, lr, arch, export, progress, started)
+    def learner(dls, size):
+        from dali_fastai.detection import small_detector, detection_learner
+        return detection_learner(dls, small_detector(len(dls.vocab), size, arch))
+    return _train_task(detection_dataloaders, learner, arch, path, bs=bs, **kwargs)
+
 
 # %% ../nbs/06_cli.ipynb #8ba43c47
 def segmentation_dataloaders(path:str|Path|None=None, # Pascal VOC segmentation or CamVid folder; None: the embedded scenes
@@ -208,25 +223,20 @@ def segmentation_dataloaders(path:str|Path|None=None, # Pascal VOC segmentation 
                                   "ImageSets/Segmentation/, codes.txt) nor a CamVid one (images/, labels/, codes.txt)")
     return DaliDataLoaders.from_dblock(dblock, source, path=path, seed=seed, **kwargs)
 
+@delegates(_train_task, but=_DETECTION)
 def train_segmentation(path:str|Path|None=None, # Pascal VOC segmentation or CamVid folder; None: the embedded scenes
                        arch:str='resnet34', # torchvision encoder of `unet_learner`
-                       epochs:int=10, # epochs of `fit_one_cycle`
-                       size:int=128, # side of the square images
                        bs:int=16, # batch size
-                       lr:float=1e-3, # peak learning rate
-                       device:str|None=None, # 'cpu' or 'gpu'; default: the GPU if visible
-                       seed:int|None=None, # seed for order and augmentation
                        skip_bad:bool=False, # leave out images that cannot be decoded (one warning lists them), instead of stopping
-                       export:str|None=None, # save the trained Learner here
-                       progress:bool|None=None, # fastai's progress bars; default: when printing to a terminal
+                       **kwargs, # `_train_task`'s settings: epochs, size, lr, device, seed, export, progress
                       ):
     "Train fastai's `unet_learner` on `path` with DALI loaders, print a final line with Dice and foreground accuracy, and return it"
-    started = time.perf_counter()  # imports included: they are part of the wait
-    from fastai.metrics import DiceMulti, foreground_acc
-    from fastai.vision.learner import unet_learner
-    dls = segmentation_dataloaders(path, size, seed=seed, bs=bs, device=device, skip_bad_files=skip_bad)
-    learn = unet_learner(dls, arch_by_name(arch), pretrained=False, metrics=[DiceMulti(), foreground_acc])
-    return fit_and_report(learn, epochs, lr, f'unet {arch}', export, progress, started)
+    def learner(dls, size):
+        from fastai.metrics import DiceMulti, foreground_acc
+        from fastai.vision.learner import unet_learner
+        return unet_learner(dls, arch_by_name(arch), pretrained=False, metrics=[DiceMulti(), foreground_acc])
+    return _train_task(segmentation_dataloaders, learner, f'unet {arch}', path, bs=bs, skip_bad_files=skip_bad, **kwargs)
+
 
 # %% ../nbs/06_cli.ipynb #df7e4933
 def as_flags(msg:str, # an error message in the words of the Python functions
@@ -335,18 +345,15 @@ def _shards(src:str, dest:str|None, format:str, shard_size:int, seed:int, check:
     folder = src if dest is None else dest
     if check: print(f"checked {check_shards(folder)} samples in {folder}: all readable")
 
-_DETECTION = ('box_crop', 'train_json', 'valid_json', 'images', 'valid_images', 'train_split', 'valid_split')
-
-def _train(task:str, arch:str|None, valid_pct:float|None=None, pretrained:bool=False, **kwargs):
-    "`train`, `train_detection` or `train_segmentation`, each with its own defaults for what the command line leaves unset"
+def _train(task:str, **kwargs):
+    "`train`, `train_detection` or `train_segmentation` with the flags set: each has its own defaults for the others"
+    fn = {'classification': train, 'detection': train_detection, 'segmentation': train_segmentation}[task]
     kwargs = {k: v for k,v in kwargs.items() if v is not None and v is not False}
-    if task != 'detection' and (det := [k for k in _DETECTION if k in kwargs]):
-        raise ValueError(f"{', '.join('--' + k.replace('_', '-') for k in det)}: for --task detection only")
-    if task == 'classification': return train(arch=arch or 'resnet18', valid_pct=valid_pct, pretrained=pretrained, **kwargs)
-    if valid_pct is not None or pretrained: raise ValueError(f"--valid-pct and --pretrained are for classification: {task} "
-                                                             "reads the splits of its annotations and trains from scratch")
-    if task == 'segmentation': return train_segmentation(arch=arch or 'resnet34', **kwargs)
-    return train_detection(arch=arch or 'fcos', **kwargs)
+    if other := [k for k in kwargs if k not in signature(fn).parameters and k in _DETECTION]:
+        raise ValueError(f"{', '.join('--' + k.replace('_', '-') for k in other)}: for --task detection only")
+    if any(k not in signature(fn).parameters for k in kwargs): raise ValueError(
+        f"--valid-pct and --pretrained are for classification: {task} reads the splits of its annotations and trains from scratch")
+    return fn(**kwargs)
 
 def _saved(res, out, name:str):
     "`res`, written as JSON to `out/name`"

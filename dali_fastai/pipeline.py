@@ -11,6 +11,7 @@ __all__ = ['HW_DECODER_LOAD', 'HW_DECODER_HINT', 'IMAGENET_MEAN', 'IMAGENET_STD'
 
 # %% ../nbs/02_pipeline.ipynb #e5c43764
 import os
+from inspect import signature
 import numpy as np
 from fastcore.meta import delegates
 from nvidia.dali import fn, types
@@ -197,59 +198,55 @@ def classification_pipeline(files:list, # image paths
         pipe.set_outputs(outs[0], on_device(lbls, device_id), *outs[1:])
     return pipe
 
+# %% ../nbs/02_pipeline.ipynb #5e7d2a10
+@delegates(classification_pipeline, but=['side_files', 'reader'])
+def _normalized_pipeline(files:list, # image paths
+                         labels:list, # integer class of each file
+                         bs:int, # batch size
+                         decode, # `decode(encoded, device_id, hw_decoder_load)` → HWC uint8 images, before `normalize`
+                         device_id:int|None=None, # GPU id, or None for the CPU backend
+                         hw_decoder_load:float=HW_DECODER_LOAD, # GPU only: share of JPEGs given to the hardware JPEG decoder
+                         mean:tuple=IMAGENET_MEAN, # normalization mean
+                         std:tuple=IMAGENET_STD, # normalization std
+                         dtype:str='float32', # 'float32' or 'float16'
+                         **kwargs, # `classification_pipeline`'s settings: shuffle, seed, num_threads, sharding, checkpoint
+                        )->Pipeline: # outputs `images` (N,3,size,size) and `labels` (N,1) int32
+    "`classification_pipeline` whose images are `decode(encoded)`, normalized: what `train_pipeline` and `valid_pipeline` share"
+    def images(encoded): return normalize(decode(encoded, device_id, hw_decoder_load), mean, std, dtype)
+    return classification_pipeline(files, labels, bs, images, device_id, **kwargs)
+
 # %% ../nbs/02_pipeline.ipynb #73af98f4
+@delegates(_normalized_pipeline)
 def train_pipeline(files:list, # image paths
                    labels:list, # integer class of each file
                    bs:int, # batch size
                    size:int=224, # output side, in pixels
-                   device_id:int|None=None, # GPU id, or None for the CPU backend
                    shuffle:bool=True, # a new order every epoch
                    seed:int|None=None, # seed for order and augmentation; None: random
-                   num_threads:int|None=None, # CPU threads; None: `default_threads()`
-                   prefetch:int=2, # batches prepared ahead
                    area:tuple=(0.08, 1.), # random-resized-crop area range
                    ratio:tuple=(3/4, 4/3), # random-resized-crop aspect ratio range
-                   hw_decoder_load:float=HW_DECODER_LOAD, # GPU only: share of JPEGs given to the hardware JPEG decoder
-                   mean:tuple=IMAGENET_MEAN, # normalization mean
-                   std:tuple=IMAGENET_STD, # normalization std
-                   dtype:str='float32', # 'float32' or 'float16'
-                   shard_id:int=0, # this process's shard
-                   num_shards:int=1, # number of shards
-                   order_seed:int|None=None, # seed of the first epoch's order; default: `seed` (DDP ranks share it)
-                   checkpoint:bytes|None=None, # a DALI checkpoint of this pipeline to resume from
                    **aug, # passed to `augment`: p_hflip, p_vflip, rotate_range, p_rotate, warp_mode, warps, ...
                   )->Pipeline: # outputs `images` (N,3,size,size) and `labels` (N,1) int32
     "The training pipeline: shuffled reader → random-resized-crop decode → `augment` → `normalize`"
     if size < 1: raise ValueError(f"size must be a positive number of pixels, got {size}")
-    def images(encoded):
+    settings = {k: aug.pop(k) for k in signature(_normalized_pipeline).parameters if k in aug}
+    def decode(encoded, device_id, hw_decoder_load):
         images = decode_random_crop(encoded, size, device_id, area=area, ratio=ratio, hw_decoder_load=hw_decoder_load)
-        return normalize(augment(images, size, **aug), mean, std, dtype)
-    return classification_pipeline(files, labels, bs, images, device_id, shuffle, seed, num_threads, prefetch, shard_id,
-                                   num_shards, order_seed, checkpoint)
+        return augment(images, size, **aug)
+    return _normalized_pipeline(files, labels, bs, decode, shuffle=shuffle, seed=seed, **settings)
 
 # %% ../nbs/02_pipeline.ipynb #be32b992
+@delegates(_normalized_pipeline)
 def valid_pipeline(files:list, # image paths
                    labels:list, # integer class of each file
                    bs:int, # batch size
                    size:int=224, # output side, in pixels
-                   device_id:int|None=None, # GPU id, or None for the CPU backend
                    crop_pct:float=0.875, # centre crop's share of the resized shorter side
                    shuffle:bool=False, # a new order every epoch (e.g. to show random validation batches)
                    seed:int|None=None, # seed for the order; None: random
-                   hw_decoder_load:float=HW_DECODER_LOAD, # GPU only: share of JPEGs given to the hardware JPEG decoder
-                   num_threads:int|None=None, # CPU threads; None: `default_threads()`
-                   prefetch:int=2, # batches prepared ahead
-                   mean:tuple=IMAGENET_MEAN, # normalization mean
-                   std:tuple=IMAGENET_STD, # normalization std
-                   dtype:str='float32', # 'float32' or 'float16'
-                   shard_id:int=0, # this process's shard
-                   num_shards:int=1, # number of shards
-                   order_seed:int|None=None, # seed of the first epoch's order; default: `seed` (DDP ranks share it)
-                   checkpoint:bytes|None=None, # a DALI checkpoint of this pipeline to resume from
+                   **kwargs,
                   )->Pipeline: # outputs `images` (N,3,size,size) and `labels` (N,1) int32
     "The validation pipeline: reader (in order by default) → decode → resize shorter side → centre crop → `normalize`"
     if size < 1: raise ValueError(f"size must be a positive number of pixels, got {size}")
-    def images(encoded):
-        return normalize(decode_center_crop(encoded, size, device_id, crop_pct, hw_decoder_load), mean, std, dtype)
-    return classification_pipeline(files, labels, bs, images, device_id, shuffle, seed, num_threads, prefetch, shard_id,
-                                   num_shards, order_seed, checkpoint)
+    def decode(encoded, device_id, hw_decoder_load): return decode_center_crop(encoded, size, device_id, crop_pct, hw_decoder_load)
+    return _normalized_pipeline(files, labels, bs, decode, shuffle=shuffle, seed=seed, **kwargs)

@@ -240,8 +240,10 @@ def task_time_to_accuracy(task:str, # 'classification' (ResNet-18, accuracy), 's
     print(format_accuracy_runs(res))
     return res
 
+def _versus(gap:float, spread:float)->str: return 'within' if abs(gap) <= spread else 'above' if gap > 0 else 'BELOW'
+
 def format_accuracy_runs(res:dict)->str:
-    "Median seconds and the metric's mean and spread over the seeds, each run's speed-up over fastai's, and whether its metric is within fastai's seed spread"
+    "Median seconds and the metric's mean and spread over the seeds, each run's speed-up over fastai's, and whether its metric is within fastai's seed spread (or above it)"
     s,r = res['settings'],res['runs']
     med = {k: statistics.median(x['seconds'] for x in v) for k,v in r.items()}
     setup = {k: statistics.median(x.get('setup', 0.) for x in v) for k,v in r.items()}
@@ -250,7 +252,6 @@ def format_accuracy_runs(res:dict)->str:
     lines = [f"{s['task']} ({s['model']}) from scratch, {s['epochs']} epochs, {s['size']}px, bs {s['bs']}, seeds {s['seeds']}, device {s['device']}"]
     for k in r:
         m = statistics.mean(mets[k])
-        gap = abs(m - statistics.mean(mets['fastai']))
         lines.append(f"{k:<36}{med[k]:>8.1f} s ({setup[k]:4.1f} s setup)  {med['fastai']/med[k]:>5.2f}x  metric {m:.4f} (spread {max(mets[k]) - min(mets[k]):.4f})"
-                     + ('' if k == 'fastai' else f"  {'within' if gap <= spread else 'NOT within'} fastai's seed spread"))
+                     + ('' if k == 'fastai' else f"  {_versus(m - statistics.mean(mets['fastai']), spread)} fastai's seed spread"))
     return '\n'.join(lines)

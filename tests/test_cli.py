@@ -1,6 +1,7 @@
 """The `dali-fastai` command: a folder without valid/, --valid-pct, --pretrained with no network (one line, no traceback),
 nothing heavy imported before the arguments are parsed, detection folders laid out otherwise, and errors in flags"""
 import json, shutil, subprocess, sys
+from inspect import signature
 from pathlib import Path
 from urllib.error import URLError
 
@@ -33,6 +34,13 @@ def offline(monkeypatch):
     "torch.hub cannot reach the network (as on a machine without one); the package itself patches nothing"
     def unreachable(*args, **kwargs): raise URLError(OSError(101, 'Network is unreachable'))
     monkeypatch.setattr(torch.hub, 'urlopen', unreachable)
+
+
+def spy(f, seen:dict):
+    "A stand-in for `f` with its signature (the command checks flags against it) that records the keywords it is called with"
+    def record(**kwargs): seen.update(kwargs)
+    record.__signature__ = signature(f)
+    return record
 
 
 def test_pretrained_without_network_is_one_line_error(tmp_path, offline, capsys):
@@ -72,11 +80,11 @@ def test_folder_without_valid_needs_valid_pct(tmp_path):
 
 def test_valid_pct_is_passed_through(tmp_path, monkeypatch):
     seen = {}
-    monkeypatch.setattr(cli, 'train', lambda **kwargs: seen.update(kwargs))
+    monkeypatch.setattr(cli, 'train', spy(cli.train, seen))
     cli.main(['train', str(tmp_path), '--valid-pct', '0.3'])
     assert seen['valid_pct'] == 0.3
-    cli.main(['train', str(tmp_path)])
-    assert seen['valid_pct'] is None  # no silent default: a folder with valid/ uses it
+    seen.clear(); cli.main(['train', str(tmp_path)])
+    assert 'valid_pct' not in seen and signature(cli.train).parameters['valid_pct'].default is None  # a folder with valid/ uses it
 
 
 def test_valid_pct_splits_at_random(tmp_path):
@@ -262,3 +270,26 @@ def test_bench_step_and_peers_reach_their_functions(tmp_path, monkeypatch):
     monkeypatch.setattr(pe, 'segmentation_peers', lambda *a, **k: calls.append(('seg peers', a)) or {})
     cli.main(['bench', '--task', 'segmentation', '--peers', '--device', 'cpu'])
     assert calls[-1] == ('seg peers', (None, 128, 64))
+
+
+def test_train_flags_state_each_tasks_defaults():
+    "The command passes only the flags set, so the help's defaults must be those of `train`, `train_detection`, `train_segmentation`"
+    helps = {a.dest: a.help for a in cli.parser()._subparsers._group_actions[0].choices['train']._actions}
+    fns = {'default': cli.train, 'detection': cli.train_detection, 'segmentation': cli.train_segmentation}
+    for k in ('epochs', 'size', 'bs', 'lr'):
+        stated = {t.strip(): v for part in helps[k].split('(')[-1].rstrip(')').split(';')
+                  for ts,v in [part.split(':')] for t in ts.split(',')}
+        assert {t: float(v) for t,v in stated.items()} == {t: signature(f).parameters[k].default for t,f in fns.items()}, (k, stated)
+
+
+def test_train_passes_only_the_flags_set(monkeypatch):
+    "Unset flags leave each task's own defaults (arch included); a flag of another task is an error naming it"
+    seen = {name: {} for name in ('train', 'train_detection', 'train_segmentation')}
+    for name in seen: monkeypatch.setattr(cli, name, spy(getattr(cli, name), seen[name]))
+    cli.main(['train', '--task', 'segmentation', '--bs', '4'])
+    assert seen['train_segmentation'] == {'bs': 4}
+    cli.main(['train', '--task', 'detection', '--box-crop'])
+    assert seen['train_detection'] == {'box_crop': True}
+    with pytest.raises(SystemExit, match='--box-crop: for --task detection only'): cli.main(['train', '--task', 'segmentation', '--box-crop'])
+    with pytest.raises(SystemExit, match='--valid-pct and --pretrained are for classification'):
+        cli.main(['train', '--task', 'segmentation', '--pretrained'])

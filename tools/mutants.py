@@ -92,8 +92,8 @@ MUTANTS = [
               'masks sampled at pixel centres'),
     ('loader', 'side = [[f[i] for i in idx] for f in', 'side = [list(f) for f in', 'sharded in-order masks stay with their images'),
     # item flips: a coin of probability p for each item
-    ('translate', 'dihedral_mat, p=tfm.p)', 'dihedral_mat, p=tfm.p, batch=True)', 'FlipItem, DihedralItem: a coin per item'),
-    ('translate', 'dihedral_mat, p=tfm.p)', 'dihedral_mat, p=min(1., 2*tfm.p))', 'FlipItem(p), DihedralItem(p)'),
+    ('steps', 'dihedral_mat, p=tfm.p)', 'dihedral_mat, p=tfm.p, batch=True)', 'FlipItem, DihedralItem: a coin per item'),
+    ('steps', 'dihedral_mat, p=tfm.p)', 'dihedral_mat, p=min(1., 2*tfm.p))', 'FlipItem(p), DihedralItem(p)'),
 ]
 
 FAST = ['tests/test_defaults.py', 'tests/test_augment_stats.py']
@@ -110,7 +110,7 @@ SELECTIONS = {  # per module: pytest arguments, relative to the repository root
     'data': ['tests/test_shards.py', 'tests/test_coco_voc_loaders.py'],
     'shardindex': ['tests/test_shards.py'],
     'masks': ['tests/test_mask_sampling.py'],
-    'translate': ['tests/test_mask_sampling.py'],
+    'steps': ['tests/test_mask_sampling.py'],
 }
 SELECTIONS['epoch'] = SELECTIONS['loader']  # the batch arithmetic and `DaliEpoch` keep the loader's promises
 ALL_TESTS = ['tests', '--ignore', 'tests/test_notebooks.py']
