@@ -14,8 +14,9 @@ ROOT = Path(__file__).resolve().parents[1]
 KEPT_IN_MODULES = {'augment', 'warp', 'normalize', 'lighting', 'maybe', 'shuffled', 'grayscale',
                    'train', 'train_detection', 'train_segmentation', 'as_flags'}
 # Modules whose names stay there: the bench's optional peers (kornia, torchvision's transforms), which the library never
-# imports (`pip install 'dali-fastai[bench]'`)
-KEPT_MODULES = {'peers'}
+# imports (`pip install 'dali-fastai[bench]'`), and the map of the package's own modules (`architecture`: `cycles`,
+# `rightward`, `LAYERS`), for its contributors, whose generic names a user's star import should not get
+KEPT_MODULES = {'peers', 'architecture'}
 
 
 def ours()->dict:
