@@ -52,12 +52,12 @@ def import_graph(lib:Path, # the package's folder
 
 # %% ../nbs/00_architecture.ipynb #8d579ddf
 LAYERS = (
-    ('shared helpers', ('util', 'checks', 'architecture'),
-     "What every layer may use: the cache folder, argument checks that name the argument and say what to pass, and this map of the package."),
+    ('shared helpers', ('util', 'checks', 'nodes', 'architecture'),
+     "What every layer may use: the cache folder and progress, argument checks that name the argument and say what to pass, small DALI-node helpers, and this map of the package."),
     ('what the items are', ('files', 'annotations', 'shardindex', 'datasets', 'scenes'),
      "Files, annotations and shards as they lie on disk, read and checked before DALI sees them, and the embedded sample sets."),
-    ('items and targets', ('items', 'targets', 'masks', 'blocks', 'shards'),
-     "What a loader reads: the items and their typed targets (categories, boxes, points, masks), what a DataBlock says they are, and shards written from them."),
+    ('items and targets', ('items', 'targets', 'masks', 'blocks', 'shards', 'taskblocks'),
+     "What a loader reads: the items and their typed targets (categories, boxes, points, masks), what a DataBlock says they are, shards written from them, and fastai's DataBlocks over the task datasets' folders."),
     ('the DALI graph', ('draws', 'augment', 'colour', 'pipeline', 'steps', 'recipe', 'translate'),
      "The pipeline's nodes: decode, fastai's transforms compiled into DALI (geometry, colour, normalize), with fastai's own random draws."),
     ('epoch', ('epoch',),

@@ -93,7 +93,7 @@ def segmentation_dataloaders(path:str|Path|None=None, # Pascal VOC segmentation 
                             ):
     "`DaliDataLoaders` for segmentation from a Pascal VOC segmentation folder or a CamVid-style one, with fastai's usual augmentation"
     from dali_fastai.data import DaliDataLoaders
-    from dali_fastai.baselines import voc_segmentation_dblock, camvid_dblock
+    from dali_fastai.taskblocks import voc_segmentation_dblock, camvid_dblock
     from dali_fastai.scenes import fashion_scenes
     path = fashion_scenes(progress=False) if path is None else Path(path)
     if (path/'SegmentationClass').is_dir() and (path/'ImageSets'/'Segmentation').is_dir():

@@ -31,7 +31,7 @@ from .annotations import read_coco
 from .masks import prepare_masks
 from .scenes import fashion_scenes
 from .measure import loader_throughput, machine_info
-from .baselines import coco_dblock, voc_segmentation_dblock
+from .taskblocks import coco_dblock, voc_segmentation_dblock
 
 # %% ../nbs/08b_peers.ipynb #89a030d9
 def read_bytes(f:str|Path)->torch.Tensor: # the file's bytes, uint8, 1-d

@@ -28,7 +28,8 @@ from fastai.vision.learner import unet_learner, vision_learner
 from fastai.metrics import DiceMulti, accuracy
 from fastai.torch_core import set_seed
 from .measure import bench_images, machine_info, learner_throughput, throughput_learner, Throughput, _endless, _pass, _sync
-from .baselines import coco_dblock, voc_segmentation_dblock, fastai_aug_tfms
+from .baselines import fastai_aug_tfms
+from .taskblocks import coco_dblock, voc_segmentation_dblock
 from .detection import small_detector, detection_learner, DetectionTargets
 from .scenes import fashion_scenes
 from .faststep import FastStep

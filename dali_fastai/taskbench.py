@@ -25,7 +25,8 @@ from .detection import small_detector, detection_learner
 from .scenes import fashion_scenes
 from .faststep import FastStep
 from .measure import bench_images, side_by_side, learner_throughput, machine_info, _let_go, _ratio, _verdict
-from .baselines import fastai_default_dls, aug_transforms_dls, coco_dblock, voc_segmentation_dblock
+from .baselines import fastai_default_dls, aug_transforms_dls
+from .taskblocks import coco_dblock, voc_segmentation_dblock
 
 # %% ../nbs/08d_taskbench.ipynb #e29b39a1
 def task_bench(task:str, # what the loaders are for, in the rows' names ('detection', 'segmentation')

@@ -18,12 +18,10 @@ def test_every_module_in_one_layer():
     assert sorted(named) == sorted(set(named)) and set(named) == set(GRAPH), set(named) ^ set(GRAPH)
 
 
-@pytest.mark.xfail(strict=False, reason='until the notebooks are renumbered by layer')
 def test_imports_point_left():
     assert rightward(GRAPH) == [], f"imports of a module whose notebook sorts after the importer's: {rightward(GRAPH)}"
 
 
-@pytest.mark.xfail(strict=False, reason='until the notebooks are renumbered by layer')
 def test_notebooks_sort_by_layer():
     "In the notebooks' order the layers come as `LAYERS` names them, and no two layers share a number"
     layer = {m: i for i,(_,ms,_) in enumerate(LAYERS) for m in ms}
