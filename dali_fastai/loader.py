@@ -307,7 +307,7 @@ class DaliDataLoader:
         if len(self) == 0: raise ValueError(f"this loader yields no batch: {len(self.items)} items with bs={self.bs}"
                                             + (" and drop_last=True" if self.drop_last else ""))
         self._peeks += 1
-        peek = self.new(seed=derived_seed(self.seed, 1 << 30, self._peeks))
+        peek = self.new(seed=derived_seed(self.seed, 1 << 30, self._peeks), prefetch=1) # one batch: nothing prepared ahead to wait for at close
         try: return first(peek)
         finally: peek.close()
 
