@@ -237,7 +237,11 @@ def task_time_to_accuracy(task:str, # 'classification' (ResNet-18, accuracy), 's
     res = dict(machine=machine_info(device), settings=dict(task=task, model=t.model, size=size or t.size, bs=bs, epochs=epochs, lr=lr,
                seeds=list(seeds), device=str(device)), runs={})
     for k,(make,cbs) in runs.items():
-        res['runs'][k] = [_fit_once(make, partial(t.learner, metric=True), cbs(), epochs, lr, seed) for seed in seeds]
+        res['runs'][k] = []
+        for seed in seeds: # each fit said as it ends: a whole run is many minutes
+            r = _fit_once(make, partial(t.learner, metric=True), cbs(), epochs, lr, seed)
+            res['runs'][k].append(r)
+            print(f"{task}: {k}, seed {seed}: {r['seconds']:.1f} s ({r['setup']:.1f} s setup), metric {r['metric']:.4f}", flush=True)
     print(format_accuracy_runs(res))
     return res
 
