@@ -19,8 +19,8 @@ with warnings.catch_warnings():
     from dali_fastai.colour import COLOUR_TFMS, neg_logit, power_form, colour_unsupported, lighting_draws, colour_node
     from dali_fastai.pipeline import (HW_DECODER_HINT, IMAGENET_MEAN, IMAGENET_STD, read_files, decoder_args,
         decode_random_crop, decode_center_crop, augment_steps, train_pipeline, valid_pipeline)
-    from dali_fastai.util import cache_dir
-    from dali_fastai.files import check_image, check_images, cached_file_values
+    from dali_fastai.util import cache_dir, cached_file_values
+    from dali_fastai.files import check_image, check_images
     from dali_fastai.steps import RandomBoxCrop, ItemStep, GeometryStep, ItemFlip
     from dali_fastai.recipe import ImageRecipe, keyword_recipe, geometry_outputs
     from dali_fastai.translate import fastai_recipe

@@ -53,7 +53,7 @@ def import_graph(lib:Path, # the package's folder
 # %% ../nbs/00_architecture.ipynb #8d579ddf
 LAYERS = (
     ('shared helpers', ('util', 'checks', 'nodes', 'architecture'),
-     "What every layer may use: the cache folder and progress, argument checks that name the argument and say what to pass, small DALI-node helpers, and this map of the package."),
+     "What every layer may use: the cache folder, facts about files cached by path, size and mtime, a thread map, progress, argument checks that name the argument and say what to pass, small DALI-node helpers, and this map of the package."),
     ('what the items are', ('files', 'annotations', 'shardindex', 'datasets', 'scenes'),
      "Files, annotations and shards as they lie on disk, read and checked before DALI sees them, and the embedded sample sets."),
     ('items and targets', ('items', 'targets', 'masks', 'blocks', 'shards', 'taskblocks'),

@@ -6,14 +6,13 @@ Docs: https://dali-fastai.github.io/dali_fastai/files.html.md"""
 
 # %% auto #0
 __all__ = ['SIGNATURES', 'UNSUPPORTED', 'DECODABLE', 'image_format', 'check_image', 'decode_image', 'check_images',
-           'cached_file_values', 'describe_bad', 'bad_files_message']
+           'describe_bad', 'bad_files_message']
 
 # %% ../nbs/01_files.ipynb #37e69e0b
-import hashlib, json, os, tempfile, time, warnings
-from concurrent.futures import ThreadPoolExecutor
+import os
 from pathlib import Path
 from PIL import Image
-from .util import cache_dir
+from .util import cache_dir, _cache_file, _load, _folders, _cached_verdicts, _check_chunk, _store, _map_waiting
 
 # %% ../nbs/01_files.ipynb #998144f4
 SIGNATURES = {b'\xff\xd8\xff': 'JPEG', b'\x89PNG\r\n\x1a\n': 'PNG', b'II*\x00': 'TIFF', b'MM\x00*': 'TIFF',
@@ -70,76 +69,8 @@ def decode_image(f)->str|None:
         with Image.open(f) as im: im.load()
     except Exception as e: return f"PIL cannot decode it ({type(e).__name__}: {e})"
 
-# %% ../nbs/01_files.ipynb #f4b0b046
-def _cache_file(folder, d):
-    return Path(folder)/'file_checks'/f"{hashlib.sha1(str(d).encode()).hexdigest()[:16]}.json"
-
-def _load(path):
-    try: return json.loads(path.read_text())
-    except (OSError, ValueError): return {}
-
-def _save(path, checks):
-    "Write `checks` atomically, so concurrent processes (one per GPU) never read half a file"
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd,tmp = tempfile.mkstemp(dir=path.parent, suffix='.tmp')
-        with os.fdopen(fd, 'w') as fh: json.dump(checks, fh)
-        os.replace(tmp, path)
-    except OSError as e: warnings.warn(f"could not write the file-check cache {str(path)!r} ({e}): the next start checks the files again")
-
 # %% ../nbs/01_files.ipynb #9a824ef6
-def _stat_key(f):
-    try: st = os.stat(f)
-    except OSError: return None
-    return [st.st_size, st.st_mtime_ns]
-
-def _folders(files:list)->dict:
-    "The indices of `files` by absolute folder (`abspath` once a folder, not once a file)"
-    by_text,res = {},{}
-    for i,f in enumerate(files): by_text.setdefault(f[:f.rfind(os.sep) + 1], []).append(i)  # 'a/b.jpg' -> 'a/', 'b.jpg' -> ''
-    for d,idx in by_text.items(): res.setdefault(os.path.abspath(d), []).extend(idx)
-    return res
-
-def _cached_verdicts(files:list, idx:list, saved:dict, keep=lambda v: v is not None)->tuple:
-    "One folder's files `idx`: (`(index, value)` of those `saved` knows whose value `keep` keeps, `(index, stat key)` of those to compute)"
-    bad,todo = [],[]
-    for i in idx:
-        key,hit = _stat_key(files[i]),saved.get(os.path.basename(files[i]))
-        if key is not None and hit is not None and hit[:2] == key:
-            if keep(hit[2]): bad.append((i, hit[2]))
-        else: todo.append((i, key))
-    return bad,todo
-
 def _full_check(f)->str|None: return check_image(f) or decode_image(f)
-
-def _check_chunk(files:list, todo:list, check)->list:
-    "`(index, stat key, check(file))` for each `(index, stat key)` of `todo`, the file checked now"
-    return [(i, key, check(files[i])) for i,key in todo]
-
-def _store(folder, files:list, results:list):
-    "Add `(index, stat key, reason)` verdicts to the cache of each file's folder"
-    for d,idx in _folders([files[i] for i,_,_ in results]).items():  # `idx`: positions in `results`
-        path = _cache_file(folder, d)
-        _save(path, {**_load(path), **{os.path.basename(files[results[k][0]]): [*results[k][1], results[k][2]] for k in idx}})
-
-def _mostly_waits(wall:float, # seconds the work took
-                  cpu:float,  # seconds of this process's CPU time it took
-                 )->bool:     # whether the work mostly waited, so threads would pay
-    "Whether work that took `wall` seconds and `cpu` seconds of CPU mostly waited (a cold disk, a network file system)"
-    return wall > 0.05 and cpu < wall/2
-
-def _map_waiting(f, tasks, workers:int,
-                 clock=time.perf_counter,   # wall-clock seconds, as a float
-                 cpu_clock=time.process_time, # this process's CPU seconds, as a float
-                )->list:
-    "`[f(t) for t in tasks]`: in this thread while `f` keeps it busy (threads would only take turns holding the GIL), in `workers` threads once it mostly waits"
-    res,rest,wall,cpu = [],iter(tasks),clock(),cpu_clock()
-    for t in rest:
-        res.append(f(t))
-        if _mostly_waits(clock() - wall, cpu_clock() - cpu):
-            with ThreadPoolExecutor(workers) as ex: res += ex.map(f, rest)
-            break
-    return res
 
 def check_images(files:list, # image paths
                  workers:int|None=None, # threads once the checks wait on the disk; default: 4 per core, at most 32
@@ -159,27 +90,6 @@ def check_images(files:list, # image paths
     checked = [r for c in _map_waiting(lambda c: _check_chunk(files, c, check), chunks, workers) for r in c]
     if folder is not None: _store(folder, files, [r for r in checked if r[1] is not None])
     return [(files[i], reason) for i,reason in sorted(bad + [(i, r) for i,_,r in checked if r is not None])]
-
-# %% ../nbs/01_files.ipynb #57f15e23
-def cached_file_values(files:list, # paths
-                       compute, # file → a JSON value (a number, a string, a list...)
-                       folder:Path, # the cache's folder, one for each kind of value
-                       workers:int|None=None, # threads; default: one per core
-                       progress=iter, # wraps the list of futures of the chunks being computed: a progress bar
-                      )->list: # `compute(f)` for each file, in order
-    "`[compute(f) for f in files]`, each value cached in `folder` by the file's path, size and mtime: computed once per version of a file"
-    files = [f if type(f) is str else str(f) for f in files]
-    res,todo = [None]*len(files),[]
-    for d,idx in _folders(files).items():
-        known,t = _cached_verdicts(files, idx, _load(_cache_file(folder, d)), keep=lambda v: True)
-        for i,v in known: res[i] = v
-        todo += t
-    chunks = [todo[k:k+64] for k in range(0, len(todo), 64)]
-    with ThreadPoolExecutor(workers or os.cpu_count() or 1) as ex:
-        done = [r for fut in progress([ex.submit(_check_chunk, files, c, compute) for c in chunks]) for r in fut.result()]
-    for i,_,v in done: res[i] = v
-    _store(folder, files, [r for r in done if r[1] is not None])
-    return res
 
 # %% ../nbs/01_files.ipynb #23f7f961
 def describe_bad(bad:list, # `(file, reason)` pairs from `check_images`

@@ -22,7 +22,7 @@ from nvidia.dali import fn, types
 from nvidia.dali import math as dmath
 from nvidia.dali.data_node import DataNode
 from .util import cache_dir, _progress
-from .files import cached_file_values
+from .util import cached_file_values
 from .items import Target
 from .nodes import on_device, _border
 from fastai.vision.augment import Resize

@@ -27,7 +27,7 @@ from fastai.learner import Learner
 from fastai.losses import CrossEntropyLossFlat
 from fastai.torch_core import TensorImage, TensorCategory
 import dali_fastai
-from .files import cache_dir
+from .util import cache_dir
 from .datasets import write_once, sample_photo
 
 # %% ../nbs/08_measure.ipynb #ada45b6d

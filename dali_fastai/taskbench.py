@@ -18,7 +18,7 @@ from fastai.callback.channelslast import to_channelslast  # noqa: F401 (adds Lea
 from fastai.callback.schedule import fit_one_cycle  # noqa: F401 (adds Learner.fit_one_cycle)
 from fastai.data.block import DataBlock
 from fastai.vision.learner import vision_learner, unet_learner
-from .files import cache_dir
+from .util import cache_dir
 from .loader import as_device
 from .data import DaliDataLoaders
 from .detection import small_detector, detection_learner
