@@ -10,7 +10,7 @@ __all__ = ['BENCH_PHOTOS', 'SLOWDOWNS', 'bench_images', 'side_by_side', 'loader_
            'slowdown_counters', 'clock_slowdowns', 'slowed']
 
 # %% ../nbs/08_measure.ipynb #1673377c
-import contextlib, datetime, gc, math, os, platform, statistics, subprocess, time
+import contextlib, datetime, gc, io, math, os, platform, statistics, subprocess, time, warnings
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
@@ -25,7 +25,8 @@ from fastai.callback.fp16 import AMPMode
 from fastai.callback.channelslast import to_channelslast  # noqa: F401 (adds Learner.to_channelslast)
 from fastai.learner import Learner
 from fastai.losses import CrossEntropyLossFlat
-from fastai.torch_core import TensorImage, TensorCategory
+from fastai.torch_core import TensorImage, TensorCategory, set_seed
+from fastai.callback.schedule import fit_one_cycle  # noqa: F401 (adds Learner.fit_one_cycle)
 import dali_fastai
 from .util import cache_dir
 from .datasets import write_once, sample_photo
@@ -191,6 +192,23 @@ def training_throughput(dls, # DataLoaders to train from
                        )->float: # images per second
     "Median images per second through `Learner.fit` for `arch` fed by `dls`"
     return learner_throughput(throughput_learner(dls, arch, c, amp, channels_last, cbs), n_batches, warmup, passes, clock)
+
+# %% ../nbs/08_measure.ipynb #a0bcae46
+def _fit_once(make_dls:Callable, # () -> the run's DataLoaders
+              make_learner:Callable, # (dls, cbs) -> a fresh `Learner` with one metric
+              cbs:list, epochs:int, lr:float, seed:int, # the run's callbacks and one-cycle schedule
+             )->dict: # seconds, setup (seconds before the first batch) and metric
+    "One timed `fit_one_cycle` from scratch, its output and warnings kept off the screen; the loaders' workers let go after"
+    start = time.perf_counter()
+    set_seed(seed, reproducible=False)
+    learn = make_learner(make_dls(), cbs)
+    setup = time.perf_counter() - start
+    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings(), learn.no_bar(), learn.no_logging():
+        warnings.simplefilter('ignore')
+        learn.fit_one_cycle(epochs, lr)
+    res = dict(seconds=time.perf_counter() - start, setup=setup, metric=float(learn.recorder.values[-1][-1]))
+    _let_go()
+    return res
 
 # %% ../nbs/08_measure.ipynb #79d31232
 def pipeline_memory(dl, # a loader whose pipeline is not built yet

@@ -16,7 +16,6 @@ from collections.abc import Callable
 from pathlib import Path
 import torch
 import torchvision.models
-from fastai.data.core import DataLoaders
 from .loader import as_device
 from .data import DaliDataLoaders
 from fastai.callback.fp16 import MixedPrecision, AMPMode
@@ -26,8 +25,7 @@ from fastai.data.transforms import get_image_files, parent_label, GrandparentSpl
 from fastai.vision.data import ImageBlock
 from fastai.vision.learner import unet_learner, vision_learner
 from fastai.metrics import DiceMulti, accuracy
-from fastai.torch_core import set_seed
-from .measure import bench_images, machine_info, learner_throughput, throughput_learner, Throughput, _endless, _pass, _sync
+from .measure import bench_images, machine_info, learner_throughput, throughput_learner, Throughput, _endless, _pass, _sync, _fit_once
 from .baselines import fastai_aug_tfms
 from .taskblocks import coco_dblock, voc_segmentation_dblock
 from .detection import small_detector, detection_learner, DetectionTargets
@@ -150,6 +148,8 @@ class Task:
     dblock:Callable    # (folder, size) -> fastai's DataBlock
     learner:Callable   # (dls, cbs, metric:bool) -> a fresh `Learner`, with the task's metric or none (the step bench)
     size:int=128       # the task's bench image side
+    epochs:int=10      # `task_time_to_accuracy`'s default epochs
+    lr:float=1e-3      # and peak learning rate
     items:str='JPEGImages' # where, under the folder, `dblock.get_items` reads ('': the folder itself)
     root:Callable=partial(fashion_scenes, progress=False) # () -> the default folder
 
@@ -164,7 +164,7 @@ def _detector(arch:str, d, cbs, metric):
     model = small_detector(len(d.vocab), d.train.one_batch()[0].shape[-1], arch)
     return detection_learner(d, model, cbs=cbs, **({} if metric else dict(metrics=[])))
 
-TASKS = {'classification': Task('ResNet-18', _classification_dblock, _resnet, 224, '', partial(bench_images, n_per_class=500)),
+TASKS = {'classification': Task('ResNet-18', _classification_dblock, _resnet, 224, 5, 3e-3, '', partial(bench_images, n_per_class=500)),
          'segmentation': Task('U-Net resnet34', voc_segmentation_dblock, _unet),
          'detection': Task('FCOS', coco_dblock, partial(_detector, 'fcos')),
          'retinanet': Task('RetinaNet', coco_dblock, partial(_detector, 'retinanet'))}
@@ -209,26 +209,15 @@ def format_steps(res:dict)->str:
     return '\n'.join(lines)
 
 # %% ../nbs/08e_stepbench.ipynb #8ed6b410
-def _fit_once(make_dls, make_learner, cbs:list, epochs:int, lr:float, seed:int)->dict:
-    "Seconds from making the loaders to the end of the last epoch, and the last metric, of one run"
-    start = time.perf_counter()
-    set_seed(seed, reproducible=False)
-    learn = make_learner(make_dls(), cbs)
-    setup = time.perf_counter() - start
-    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings(), learn.no_bar(), learn.no_logging():
-        warnings.simplefilter('ignore')
-        learn.fit_one_cycle(epochs, lr)
-    return dict(seconds=time.perf_counter() - start, setup=setup, metric=float(learn.recorder.values[-1][-1]))
-
 def task_time_to_accuracy(task:str, # 'classification' (ResNet-18, accuracy), 'segmentation' (U-Net, Dice), 'detection' (FCOS, COCO mAP) or 'retinanet'
                           root:str|Path|None=None, # the task's folder, as `task_step_bench` takes it; default: the task's own
                           size:int|None=None, bs:int=64, # default: the task's size; fastai's default batch size
-                          epochs:int=10, lr:float=1e-3, seeds:tuple=(0, 1, 2),
+                          epochs:int|None=None, lr:float|None=None, seeds:tuple=(0, 1, 2), # default: the task's schedule
                           device:str|None=None, workers:int|None=None, # fastai's worker processes; default: one per core
                          )->dict: # settings and, per run, each seed's seconds and metric
     "The same DataBlock and model trained from scratch on fastai's loaders, on dali_fastai's, and with FastStep: wall time and final metric, each seed"
     t,src,db = _task_data(task, root, size)
-    device = as_device(device)
+    epochs,lr,device = epochs or t.epochs,lr or t.lr,as_device(device)
     nw = os.cpu_count() if workers is None else workers
     ours = lambda: DaliDataLoaders.from_dblock(db, src, bs=bs, device=device, seed=0)
     runs = {'fastai': (lambda: db.dataloaders(src, bs=bs, device=device, num_workers=nw), lambda: []),

@@ -10,6 +10,7 @@ __all__ = ['task_bench', 'format_task', 'detection_bench', 'segmentation_bench',
 
 # %% ../nbs/08d_taskbench.ipynb #acd02258
 import os, shutil, time
+from functools import partial
 from pathlib import Path
 import torchvision.models
 from PIL import Image
@@ -18,13 +19,14 @@ from fastai.callback.channelslast import to_channelslast  # noqa: F401 (adds Lea
 from fastai.callback.schedule import fit_one_cycle  # noqa: F401 (adds Learner.fit_one_cycle)
 from fastai.data.block import DataBlock
 from fastai.vision.learner import vision_learner, unet_learner
+from fastai.metrics import accuracy
 from .util import cache_dir
 from .loader import as_device
 from .data import DaliDataLoaders
 from .detection import small_detector, detection_learner
 from .scenes import fashion_scenes
 from .faststep import FastStep
-from .measure import bench_images, side_by_side, learner_throughput, machine_info, _let_go, _ratio, _verdict
+from .measure import bench_images, side_by_side, learner_throughput, machine_info, _ratio, _verdict, _fit_once
 from .baselines import fastai_default_dls, aug_transforms_dls
 from .taskblocks import coco_dblock, voc_segmentation_dblock
 
@@ -152,19 +154,10 @@ def format_scale(rows:list)->str:
     return '\n'.join(lines)
 
 # %% ../nbs/08d_taskbench.ipynb #c27c8eaa
-def _timed_fit(make_dls, arch:str, epochs:int, lr:float, seed:int, amp:bool, cbs:list=())->dict:
-    "Seconds from making the loaders to the end of the last epoch, and the final validation accuracy, of one run"
-    from fastai.metrics import accuracy
-    from fastai.torch_core import set_seed
-    start = time.perf_counter()
-    set_seed(seed, reproducible=False)
-    dls = make_dls()
+def _classifier(arch:str, amp:bool, dls, cbs):
+    "`arch` from scratch with fastai's head, accuracy as its metric; bf16 and channels_last on the GPU"
     learn = vision_learner(dls, getattr(torchvision.models, arch), pretrained=False, metrics=accuracy, cbs=list(cbs))
-    if amp: learn.to_channelslast(use_amp=True, amp_mode=AMPMode('bf16'))
-    with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(epochs, lr)
-    res = dict(seconds=time.perf_counter() - start, accuracy=float(learn.recorder.values[-1][-1]))
-    _let_go()
-    return res
+    return learn.to_channelslast(use_amp=True, amp_mode=AMPMode('bf16')) if amp else learn
 
 def time_to_accuracy(path:str|Path|None=None, # ImageNet-style folder; default: `bench_images(n_per_class=2000)`
                      arch:str='resnet18', # torchvision model, trained from scratch
@@ -184,7 +177,11 @@ def time_to_accuracy(path:str|Path|None=None, # ImageNet-style folder; default: 
     if fast_step and device.type == 'cuda': runs['dali_fastai + FastStep(graph=True)'] = (dali_dls, [FastStep(graph=True)])
     res = dict(machine=machine_info(device), settings=dict(path=str(path), arch=arch, epochs=epochs, lr=lr, size=size, bs=bs,
                device=str(device), seed=seed),
-               runs={k: _timed_fit(make, arch, epochs, lr, seed, device.type == 'cuda', cbs) for k,(make,cbs) in runs.items()})
+               runs={})
+    learner = partial(_classifier, arch, device.type == 'cuda')
+    for k,(make,cbs) in runs.items():
+        r = _fit_once(make, learner, cbs, epochs, lr, seed)
+        res['runs'][k] = dict(seconds=r['seconds'], setup=r['setup'], accuracy=r['metric'])
     print(format_accuracy(res))
     return res
 
