@@ -305,7 +305,7 @@ class GraphCapture:
             self._fail(f"the model takes {len(args)} inputs{' and keywords' if kwargs else ''}, and only a model of one input is captured")
         if self.failed: return self._eager(*args, **kwargs)
         x = args[0].as_subclass(torch.Tensor)
-        if self.graphed is None and not self.failed: self._capture(x)
+        if self.graphed is None: self._capture(x)
         if self.failed or (x.shape, x.dtype, x.device) != self.key: return self._eager(*args)
         return self.graphed(x).clone() # the graph's output is overwritten by the next replay
 
@@ -357,7 +357,7 @@ class FastStep(Callback):
         self.learn.add_cb(HostSmoothLoss())
 
     def _host_metrics(self):
-        if getattr(self, '_saved', None) is None: return
+        if self._saved is None: return
         rec = self.learn.recorder
         for old,new in zip((*self._saved[:2], *self._saved[2]), (rec.loss, rec.smooth_loss, *self.learn.metrics)):
             if old is not new: old.__dict__.update(to_detach(new.__dict__, gather=False)) # values already whole: no gather across ranks
