@@ -24,6 +24,7 @@ from fastai.learner import Learner, Metric
 from fastai.torch_core import TensorMultiCategory
 from fastai.vision.core import TensorBBox
 from fastai.vision.data import get_grid
+from .util import _needs
 
 # %% ../nbs/07b_detection.ipynb #390b0111
 def fastai_to_targets(boxes:torch.Tensor, # `TensorBBox` [bs, max_boxes, 4], ltrb in [-1, 1], padded by `bb_pad`
@@ -155,9 +156,7 @@ class DetectionMAP(Metric):
     def __init__(self, key:str='map', # the number to report: 'map', 'map_50', 'map_75', 'map_small', 'mar_100'...
                  **kwargs, # passed to `MeanAveragePrecision`
                 ):
-        try: from torchmetrics.detection import MeanAveragePrecision
-        except ImportError as e: raise ImportError("DetectionMAP needs torchmetrics and pycocotools: pip install "
-                                                   "'dali-fastai[detection]'") from e
+        MeanAveragePrecision = _needs('torchmetrics.detection', 'DetectionMAP', 'detection').MeanAveragePrecision
         self.key,self.mean_ap = key,MeanAveragePrecision(box_format='xyxy', iou_type='bbox', **kwargs)
     def reset(self): self.mean_ap.reset()
     def accumulate(self, learn):

@@ -14,7 +14,7 @@ from pathlib import Path
 from xml.etree import ElementTree as ET
 import numpy as np
 from PIL import Image
-from .util import cache_dir
+from .util import _needs, cache_dir
 from .datasets import FASHION_MNIST_CLASSES, fashion_mnist_arrays, write_once, sample_photo, _npz_digest
 
 # %% ../nbs/01d_scenes.ipynb #f381a4d6
@@ -150,7 +150,7 @@ def fashion_scenes(dest:str|Path=None, # folder to write into; default: `~/.cach
                   )->Path: # `dest`: `JPEGImages/`, `annotations/{train,valid}.json`, `Annotations/`, `ImageSets/`, `SegmentationClass/`, `codes.txt`
     "Folder of the embedded detection/segmentation scenes, with COCO, Pascal VOC and mask annotations, written on first use"
     dest = Path(dest).expanduser().absolute() if dest is not None else cache_dir()/'fashion_scenes'
-    import skimage
+    skimage = _needs('skimage', 'fashion_scenes (made from scikit-image\'s sample photos)', 'detection')
     stamp = dict(version=_VERSION, fashion_mnist=_npz_digest(), skimage=skimage.__version__, n_train=n_train,
                  n_valid=n_valid, size=size, seed=seed)
     def write(tmp):

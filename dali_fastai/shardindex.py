@@ -144,7 +144,9 @@ def tf_example(image:bytes, # the encoded image
     return _field(1, b''.join(_field(1, _field(1, k.encode()) + _field(2, v)) for k,v in feats.items()))
 
 def _masked_crc(data:bytes)->int:
-    import google_crc32c
+    try: import google_crc32c # not `util._needs`: this module stays on the standard library for the indexing processes
+    except ImportError as e: raise ImportError("TFRecord shards (each record carries CRCs) need the module 'google_crc32c', "
+                                               f"which is not installed here ({e}): pip install 'dali-fastai[shards]'") from e
     c = google_crc32c.value(data)
     return (((c >> 15) | (c << 17)) + 0xa282ead8) & 0xffffffff
 

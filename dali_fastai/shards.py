@@ -22,7 +22,7 @@ from nvidia.dali.data_node import DataNode
 from .files import image_format
 from dali_fastai.shardindex import (_split, _wds_index_text, _tfrecord_index_text, tf_example, tf_record, parse_example,
     tfrecord_records)
-from .util import _progress
+from .util import _needs, _progress
 from .items import ImageItems, category_target
 from .blocks import dblock_items, _target_kinds
 
@@ -98,7 +98,9 @@ def _ext(f:Path)->str:
 
 class _TFRecordSink:
     "`tf.train.Example` records into `<prefix>-000000.tfrecord`, ... of `shard_size` records each"
-    def __init__(self, pattern:str, shard_size:int): self.pattern,self.shard_size,self.n,self.f = pattern,shard_size,0,None
+    def __init__(self, pattern:str, shard_size:int):
+        tf_record(b'') # its CRCs need google_crc32c: a missing one is said here, before an empty shard is left behind
+        self.pattern,self.shard_size,self.n,self.f = pattern,shard_size,0,None
     def write(self, image:bytes, label:int):
         if self.n % self.shard_size == 0:
             self.close(); self.f = open(self.pattern % (self.n // self.shard_size), 'wb')
@@ -125,7 +127,7 @@ def write_shards(items:list, # `(image file, integer label)` pairs
     order = list(range(len(items)))
     if shuffle: random.Random(seed).shuffle(order)
     if format == 'webdataset':
-        import webdataset as wds
+        wds = _needs('webdataset', "write_shards(format='webdataset')", 'shards')
         sink = wds.ShardWriter(str(dest/f'{prefix}-%06d.tar'), maxcount=shard_size, verbose=0)
         put = lambda k,f,label: sink.write({'__key__': f'{k:09d}', _ext(f): f.read_bytes(), 'cls': int(label)})
     else:

@@ -8,7 +8,7 @@ Docs: https://dali-fastai.github.io/dali_fastai/util.html.md"""
 __all__ = ['cache_dir', 'cached_file_values']
 
 # %% ../nbs/00_util.ipynb #701f2e92
-import hashlib, json, os, sys, tempfile, time, warnings
+import hashlib, importlib, json, os, sys, tempfile, time, warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from fastcore.xdg import xdg_cache_home
@@ -119,3 +119,14 @@ def _progress(items:list, # what to iterate over
     try: yield from progress_bar(items)
     finally:
         if not notebook: print(flush=True)  # fastprogress leaves the cursor at the end of its bar
+
+# %% ../nbs/00_util.ipynb #c3913efe
+def _needs(module:str, # the module to import, e.g. 'webdataset'
+           needed_for:str, # what needs it, for the error: "write_shards(format='webdataset')"
+           extra:str, # the dali-fastai extra that installs it: 'shards', 'detection', 'bench'
+          ):
+    "Import an optional dependency, or say what needs it and how to install it"
+    try: return importlib.import_module(module)
+    except ImportError as e:
+        raise ImportError(f"{needed_for} needs the module {module!r}, which is not installed here ({e}): "
+                          f"pip install 'dali-fastai[{extra}]'") from e

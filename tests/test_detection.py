@@ -1,5 +1,5 @@
 "`dali_fastai.detection` on CPU: fastai's padded batches to torchvision targets, a training step, predictions, mAP"
-import math, warnings
+import math, sys, warnings
 from types import SimpleNamespace
 import matplotlib.pyplot as plt
 import pytest
@@ -156,3 +156,10 @@ def test_predict_does_not_warn(scene_learner):
         with learn.no_bar(): full,boxes,_ = learn.predict(learn.dls.valid.items.files[0])
     assert [str(x.message) for x in w if 'compute' in str(x.message)] == []
     assert isinstance(boxes, TensorBBox) and set(full[1].lbl) <= set(learn.dls.vocab)
+
+
+def test_detection_map_without_torchmetrics_says_which_extra_installs_it(monkeypatch):
+    "torchmetrics is the `detection` extra's: without it DetectionMAP says so when made, not at the first validation"
+    monkeypatch.setitem(sys.modules, 'torchmetrics.detection', None)
+    with pytest.raises(ImportError, match=r"DetectionMAP needs the module 'torchmetrics.detection'.*pip install 'dali-fastai\[detection\]'"):
+        DetectionMAP()

@@ -1,7 +1,7 @@
 """WebDataset and TFRecord shards: a folder written as shards reads back as the same items, labels and pixels; every record once per
 epoch over odd shard counts and batch sizes, on 1, 2 and 3 ranks; bad shards are named; resume; a Learner trains; a DataBlock's
 targets (single- and multi-label, regression) come back as fastai encodes them."""
-import os
+import os, sys
 import numpy as np
 import pytest
 import torch
@@ -32,6 +32,15 @@ def shards(tmp_path_factory, request):
     (root/'vocab.txt').write_text('\n'.join(VOCAB) + '\n')
     return root,files,fmt
 
+
+
+@pytest.mark.parametrize('fmt,module', [('webdataset', 'webdataset'), ('tfrecord', 'google_crc32c')])
+def test_a_missing_shard_package_says_which_extra_installs_it(files, tmp_path, monkeypatch, fmt, module):
+    "Without the `shards` extra, writing shards stops at once, naming what needed which module and the pip line, and writes no shard"
+    monkeypatch.setitem(sys.modules, module, None)  # importing it raises ImportError, as when it is not installed
+    with pytest.raises(ImportError, match=rf"needs? the module '{module}'.*pip install 'dali-fastai\[shards\]'"):
+        write_shards([(f, i) for i,f in enumerate(files[:3])], tmp_path/'out', progress=False, format=fmt)
+    assert not list((tmp_path/'out').glob(f'*.{SUFFIX[fmt]}'))
 
 def loaders(shards, **kw):
     root,_,fmt = shards
