@@ -39,10 +39,23 @@ def files(tmp_path_factory):
     return make_index_images(tmp_path_factory.mktemp('index'), MAX_INDEX)
 
 
+def _importable(module:str)->bool:
+    import importlib
+    try: importlib.import_module(module); return True
+    except ImportError: return False
+
+
 def pytest_sessionstart(session):
     "A GPU run (`make gpu-test`) with no GPU visible stops here, loudly: its tests would otherwise fail one by one"
     if os.environ.get('DALI_FASTAI_GPU_TESTS') != '1': return
     import torch
+    # the [dev] extra's modules the GPU tests import: a machine without network may lack some (they travel as wheels)
+    missing = [m for m in ('webdataset', 'google_crc32c', 'torchmetrics', 'pycocotools', 'kornia', 'execnb', 'IPython')
+               if not _importable(m)]
+    if missing:
+        raise pytest.UsageError(f"DALI_FASTAI_GPU_TESTS=1 (make gpu-test) but {', '.join(missing)} cannot be imported here, "
+                                "and the tests that need them would fail one by one: pip install -e '.[dev]', or put "
+                                "their wheels' contents on PYTHONPATH")
     if not torch.cuda.is_available():
         raise pytest.UsageError("DALI_FASTAI_GPU_TESTS=1 (make gpu-test) but PyTorch sees no GPU: run it on the GPU "
                                 "machine, or check CUDA_VISIBLE_DEVICES and the driver")
