@@ -1,5 +1,5 @@
 "Edge cases of `dali_fastai.scenes`: determinism, write-once, interrupted writes, the three annotation formats agree"
-import json
+import json, sys
 from importlib.resources import files
 from xml.etree import ElementTree as ET
 import numpy as np
@@ -120,3 +120,10 @@ def test_licence_shipped():
     lic = (data/'SCIKIT_IMAGE_LICENSE').read_text()
     assert 'BSD-3-Clause' in lic and 'Redistribution and use' in lic
     for name in scenes.SCENE_PHOTOS: assert name in lic, name
+
+def test_without_scikit_image_says_which_extra_installs_it(tmp_path, monkeypatch):
+    "The scenes are made from scikit-image's sample photos: without it, fashion_scenes says so and writes nothing"
+    monkeypatch.setitem(sys.modules, 'skimage', None)
+    with pytest.raises(ImportError, match=r"fashion_scenes .*needs the module 'skimage'.*pip install 'dali-fastai\[detection\]'"):
+        fashion_scenes(tmp_path/'s', n_train=2, n_valid=1, size=SIZE, progress=False)
+    assert not (tmp_path/'s').exists()
