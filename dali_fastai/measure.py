@@ -194,19 +194,27 @@ def training_throughput(dls, # DataLoaders to train from
     return learner_throughput(throughput_learner(dls, arch, c, amp, channels_last, cbs), n_batches, warmup, passes, clock)
 
 # %% ../nbs/08_measure.ipynb #a0bcae46
+class _EpochEnds(Callback):
+    "When each epoch ended, after the Recorder has read its values (which waits for the device)"
+    order = 60
+    def before_fit(self): self.ends = [time.perf_counter()]
+    def after_epoch(self): self.ends.append(time.perf_counter())
+    def seconds(self)->list: return [round(b - a, 3) for a,b in zip(self.ends, self.ends[1:])]
+
 def _fit_once(make_dls:Callable, # () -> the run's DataLoaders
               make_learner:Callable, # (dls, cbs) -> a fresh `Learner` with one metric
               cbs:list, epochs:int, lr:float, seed:int, # the run's callbacks and one-cycle schedule
-             )->dict: # seconds, setup (seconds before the first batch) and metric
+             )->dict: # seconds, setup (seconds before the first batch), each epoch's seconds and the metric
     "One timed `fit_one_cycle` from scratch, its output and warnings kept off the screen; the loaders' workers let go after"
     start = time.perf_counter()
     set_seed(seed, reproducible=False)
     learn = make_learner(make_dls(), cbs)
     setup = time.perf_counter() - start
+    clock = _EpochEnds()
     with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings(), learn.no_bar(), learn.no_logging():
         warnings.simplefilter('ignore')
-        learn.fit_one_cycle(epochs, lr)
-    res = dict(seconds=time.perf_counter() - start, setup=setup, metric=float(learn.recorder.values[-1][-1]))
+        learn.fit_one_cycle(epochs, lr, cbs=clock)
+    res = dict(seconds=time.perf_counter() - start, setup=setup, epochs=clock.seconds(), metric=float(learn.recorder.values[-1][-1]))
     _let_go()
     return res
 

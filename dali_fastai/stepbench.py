@@ -230,14 +230,15 @@ def task_time_to_accuracy(task:str, # 'classification' (ResNet-18, accuracy), 's
         for seed in seeds: # each fit said as it ends: a whole run is many minutes
             r = _fit_once(make, partial(t.learner, metric=True), cbs(), epochs, lr, seed)
             res['runs'][k].append(r)
-            print(f"{task}: {k}, seed {seed}: {r['seconds']:.1f} s ({r['setup']:.1f} s setup), metric {r['metric']:.4f}", flush=True)
+            print(f"{task}: {k}, seed {seed}: {r['seconds']:.1f} s ({r['setup']:.1f} s setup, epochs {', '.join(f'{e:.1f}' for e in r['epochs'])}), "
+                  f"metric {r['metric']:.4f}", flush=True)
     print(format_accuracy_runs(res))
     return res
 
 def _versus(gap:float, spread:float)->str: return 'within' if abs(gap) <= spread else 'above' if gap > 0 else 'BELOW'
 
 def format_accuracy_runs(res:dict)->str:
-    "Median seconds and the metric's mean and spread over the seeds, each run's speed-up over fastai's, and whether its metric is within fastai's seed spread (or above it)"
+    "Median seconds and the metric's mean and spread over the seeds, each run's speed-up over fastai's, whether its metric is within fastai's seed spread (or above it), and its first and later epochs' seconds"
     s,r = res['settings'],res['runs']
     med = {k: statistics.median(x['seconds'] for x in v) for k,v in r.items()}
     setup = {k: statistics.median(x.get('setup', 0.) for x in v) for k,v in r.items()}
@@ -247,5 +248,12 @@ def format_accuracy_runs(res:dict)->str:
     for k in r:
         m = statistics.mean(mets[k])
         lines.append(f"{k:<36}{med[k]:>8.1f} s ({setup[k]:4.1f} s setup)  {med['fastai']/med[k]:>5.2f}x  metric {m:.4f} (spread {max(mets[k]) - min(mets[k]):.4f})"
-                     + ('' if k == 'fastai' else f"  {_versus(m - statistics.mean(mets['fastai']), spread)} fastai's seed spread"))
+                     + ('' if k == 'fastai' else f"  {_versus(m - statistics.mean(mets['fastai']), spread)} fastai's seed spread")
+                     + _epoch_split(r[k]))
     return '\n'.join(lines)
+
+def _epoch_split(runs:list)->str:
+    "The first epoch (pipelines built, graph captured, kernels chosen) and the later ones', medians over the seeds: what a longer run pays once and what it pays each epoch"
+    eps = [x['epochs'] for x in runs if len(x.get('epochs', ())) > 1]
+    if not eps: return ''
+    return (f"  first epoch {statistics.median(e[0] for e in eps):.1f} s, later {statistics.median(statistics.median(e[1:]) for e in eps):.1f} s each")
