@@ -5,7 +5,7 @@ import matplotlib.pyplot as plt
 import pytest
 import torch
 from fastai.vision.all import TensorBBox, TensorMultiCategory, bb_pad, TensorImage
-from dali_fastai.detection import (fastai_to_targets, small_detector, DetectionAdapter, DetectionTargets, DetectionMAP,
+from dali_fastai.detection import (fastai_to_targets, small_detector, BatchedTransform, DetectionAdapter, DetectionTargets, DetectionMAP,
                                    detection_loss, DetectionLoss, padded_detections, unpadded)
 
 H,W = 48, 64
@@ -163,3 +163,26 @@ def test_detection_map_without_torchmetrics_says_which_extra_installs_it(monkeyp
     monkeypatch.setitem(sys.modules, 'torchmetrics.detection', None)
     with pytest.raises(ImportError, match=r"DetectionMAP needs the module 'torchmetrics.detection'.*pip install 'dali-fastai\[detection\]'"):
         DetectionMAP()
+
+
+@pytest.mark.parametrize('arch,size', [('retinanet', (64, 96)), ('fcos', (48, 64))])
+def test_batched_transform_trains_and_predicts_as_torchvision_s(arch, size):
+    "The same losses and detections as torchvision's own transform, both when it stacks the batch as it is (64 x 96) and when torchvision's steps must resize and pad it (48 x 64 is padded to 64)"
+    from torchvision.models.detection.transform import GeneralizedRCNNTransform
+    torch.manual_seed(0)
+    ours = small_detector(4, size, arch, fpn_channels=32, score_thresh=0.)  # every image has detections to compare
+    theirs = small_detector(4, size, arch, fpn_channels=32, score_thresh=0.); theirs.load_state_dict(ours.state_dict())
+    t = ours.transform
+    theirs.transform = GeneralizedRCNNTransform(t.min_size, t.max_size, t.image_mean, t.image_std)
+    assert type(ours.transform) is BatchedTransform and ours.transform.unchanged(list(torch.zeros(2, 3, *size))) == (size[0] % 32 == 0)
+    h,w = size
+    xs = list(torch.randn(2, 3, h, w))
+    targets = [{'boxes': torch.tensor([[4., 6., 30., 40.]]), 'labels': torch.tensor([2])},
+               {'boxes': torch.tensor([[10., 2., 20., 12.], [0., 0., 40., 30.]]), 'labels': torch.tensor([1, 3])}]
+    a,b = ours(xs, targets),theirs(xs, targets)
+    for k in a: assert torch.allclose(a[k], b[k], atol=1e-6), (k, a[k], b[k])
+    ours.eval(); theirs.eval()
+    with torch.no_grad(): da,db = ours(xs),theirs(xs)
+    for x,y in zip(da, db):
+        assert len(x['boxes']) > 0
+        for k in x: assert torch.allclose(x[k], y[k], atol=1e-5), k
