@@ -76,6 +76,9 @@ MUTANTS = [
                   'detections decoded x over the width'),
     ('detection', "x.new_tensor(list(x.shape[-2:]), dtype=torch.float32)", "x.new_tensor(list(x.shape[-2:])[::-1], dtype=torch.float32)",
                   "the detector's output size is (h, w)"),
+    # a detector's batch stacked as it is only where torchvision's own steps would leave it unchanged
+    ('detection', "h % self.size_divisible == 0 == w % self.size_divisible", "True", 'a batch torchvision would pad is padded'),
+    ('detection', "counts = real.sum(1).tolist()", "counts = sorted(real.sum(1).tolist())", "each image keeps its own boxes"),
     ('targets', 'h,w = self.out_hw', 'w,h = self.out_hw', 'boxes and points scaled x over the width'),
     ('targets', 'pts.new_tensor([self.item_hw[1], self.item_hw[0]])', 'pts.new_tensor([self.item_hw[0], self.item_hw[1]])',
                 'window to item pixels, x over the width'),
