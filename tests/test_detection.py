@@ -5,7 +5,7 @@ import matplotlib.pyplot as plt
 import pytest
 import torch
 from fastai.vision.all import TensorBBox, TensorMultiCategory, bb_pad, TensorImage
-from dali_fastai.detection import (fastai_to_targets, small_detector, BatchedTransform, DetectionAdapter, DetectionTargets, DetectionMAP,
+from dali_fastai.detection import (fastai_to_targets, small_detector, BatchedTransform, BatchedFCOS, DetectionAdapter, DetectionTargets, DetectionMAP,
                                    detection_loss, DetectionLoss, padded_detections, unpadded)
 
 H,W = 48, 64
@@ -186,3 +186,22 @@ def test_batched_transform_trains_and_predicts_as_torchvision_s(arch, size):
     for x,y in zip(da, db):
         assert len(x['boxes']) > 0
         for k in x: assert torch.allclose(x[k], y[k], atol=1e-5), k
+
+
+def test_batched_fcos_loss_is_torchvision_s():
+    "BatchedFCOS assigns the whole batch at once; its losses are torchvision's per-image ones, images without boxes included"
+    from torchvision.models.detection import FCOS
+    torch.manual_seed(2)
+    model = small_detector(5, (128, 160), fpn_channels=32)
+    assert type(model) is BatchedFCOS
+    xy = torch.rand(4, 6, 2) * 100; wh = 3 + torch.rand(4, 6, 2) * 150 # 3 to 153 pixels: every level's range of sizes
+    boxes = torch.minimum(torch.cat([xy, xy + wh], -1), torch.tensor([160., 128., 160., 128.]))
+    targets = [{'boxes': boxes[i, :n], 'labels': torch.randint(1, 5, (n,))} for i,n in enumerate([6, 0, 2, 4])]
+    images,targets = model.transform(list(torch.randn(4, 3, 128, 160)), targets)
+    features = list(model.backbone(images.tensors).values())
+    outputs,anchors = model.head(features),model.anchor_generator(images, features)
+    levels = [f.size(2)*f.size(3) for f in features]
+    ours,theirs = model.compute_loss(targets, outputs, anchors, levels),FCOS.compute_loss(model, targets, outputs, anchors, levels)
+    assert ours.keys() == theirs.keys()
+    for k in ours: assert torch.allclose(ours[k], theirs[k], rtol=1e-6), (k, ours[k], theirs[k])
+    assert all(v > 0 for v in ours.values())

@@ -79,6 +79,10 @@ MUTANTS = [
     # a detector's batch stacked as it is only where torchvision's own steps would leave it unchanged
     ('detection', "h % self.size_divisible == 0 == w % self.size_divisible", "True", 'a batch torchvision would pad is padded'),
     ('detection', "counts = real.sum(1).tolist()", "counts = sorted(real.sum(1).tolist())", "each image keeps its own boxes"),
+    ('detection', "(match.to(torch.float32) * (1e8 - areas[:, None]))", "(match.to(torch.float32) * (1e8 + areas[:, None]))",
+                  "FCOS: the smallest box wins an anchor"),
+    ('detection', "upper[:, -num_anchors_per_level[-1]:] = float('inf')", "upper[:, -num_anchors_per_level[0]:] = float('inf')",
+                  "FCOS: each level its own range of sizes"),
     ('targets', 'h,w = self.out_hw', 'w,h = self.out_hw', 'boxes and points scaled x over the width'),
     ('targets', 'pts.new_tensor([self.item_hw[1], self.item_hw[0]])', 'pts.new_tensor([self.item_hw[0], self.item_hw[1]])',
                 'window to item pixels, x over the width'),
