@@ -28,6 +28,7 @@ from fastai.learner import Learner, Metric
 from fastai.torch_core import TensorMultiCategory
 from fastai.vision.core import TensorBBox
 from fastai.vision.data import get_grid
+from .epoch import to_device_async
 from .util import _needs
 
 # %% ../nbs/07b_detection.ipynb #390b0111
@@ -41,9 +42,10 @@ def fastai_to_targets(boxes:torch.Tensor, # `TensorBBox` [bs, max_boxes, 4], ltr
                          f"got {tuple(boxes.shape)} and {tuple(labels.shape)}")
     h,w = size
     boxes,labels = boxes.as_subclass(torch.Tensor),labels.as_subclass(torch.Tensor)
-    px = (boxes.float() + 1) * boxes.new_tensor([w/2, h/2, w/2, h/2], dtype=torch.float32)
+    px = boxes.float() + 1
+    px[..., 0::2] *= w/2; px[..., 1::2] *= h/2 # scalars: no small tensor copied to the device
     real = (labels != 0).cpu() # the one wait for the device: on a GPU each boolean-mask index would be one, twice an image
-    rows = real.reshape(-1).nonzero().squeeze(1).to(labels.device)
+    rows = to_device_async(real.reshape(-1).nonzero().squeeze(1), labels.device)
     counts = real.sum(1).tolist()
     return [{'boxes': b, 'labels': l} for b,l in zip(px.reshape(-1, 4)[rows].split(counts), labels.reshape(-1)[rows].long().split(counts))]
 
