@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 from PIL import Image
-from .util import cache_dir, _progress
+from .util import cache_dir, _needs, _progress
 
 # %% ../nbs/01c_datasets.ipynb #666d8109
 FASHION_MNIST_CLASSES = ('T-shirt_top', 'Trouser', 'Pullover', 'Dress', 'Coat',
@@ -38,13 +38,10 @@ def fashion_mnist_arrays()->dict: # uint8 `train_x` [3000,28,28], `train_y`, `va
 # %% ../nbs/01c_datasets.ipynb #719dd272
 def sample_photo(name:str, # a photo of `skimage.data`, e.g. 'astronaut', 'coffee', 'camera'
                  needed_for:str='this data set', # what needs it, for the error when scikit-image is missing
+                 extra:str='bench', # the dali-fastai extra that installs scikit-image for it
                 )->np.ndarray: # HWC uint8 RGB (a gray photo repeated on 3 channels)
     "A scikit-image sample photograph as RGB uint8"
-    try: import skimage.data
-    except ImportError as e:
-        raise ImportError(f"{needed_for} is made from scikit-image's sample photos: pip install scikit-image "
-                          "(or pip install -e '.[dev]')") from e
-    im = getattr(skimage.data, name)()
+    im = getattr(_needs('skimage.data', f"{needed_for} (made from scikit-image's sample photos)", extra), name)()
     if im.ndim == 2: im = np.stack([im]*3, -1)
     return np.ascontiguousarray(im[..., :3])
 

@@ -23,7 +23,7 @@ import fastai
 from fastai.callback.core import Callback, CancelFitException, CancelValidException
 from fastai.callback.fp16 import AMPMode
 from fastai.callback.channelslast import to_channelslast  # noqa: F401 (adds Learner.to_channelslast)
-from fastai.learner import Learner
+from fastai.learner import Learner, Recorder
 from fastai.losses import CrossEntropyLossFlat
 from fastai.torch_core import TensorImage, TensorCategory, set_seed
 from fastai.callback.schedule import fit_one_cycle  # noqa: F401 (adds Learner.fit_one_cycle)
@@ -196,7 +196,7 @@ def training_throughput(dls, # DataLoaders to train from
 # %% ../nbs/08_measure.ipynb #a0bcae46
 class _EpochEnds(Callback):
     "When each epoch ended, after the Recorder has read its values (which waits for the device)"
-    order = 60
+    order = Recorder.order + 1
     def before_fit(self): self.ends = [time.perf_counter()]
     def after_epoch(self): self.ends.append(time.perf_counter())
     def seconds(self)->list: return [round(b - a, 3) for a,b in zip(self.ends, self.ends[1:])]

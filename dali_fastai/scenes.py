@@ -27,7 +27,7 @@ SCENE_CODES = ('background', *FASHION_MNIST_CLASSES)  # mask value i is SCENE_CO
 def _photo(name:str)->np.ndarray:
     "A scikit-image sample photograph of the scenes, as RGB uint8"
     if name not in SCENE_PHOTOS: raise ValueError(f"unknown scene photo {name!r}: pick from {SCENE_PHOTOS}")
-    return sample_photo(name, 'the embedded scenes')
+    return sample_photo(name, 'the embedded scenes', 'detection')
 
 # %% ../nbs/01d_scenes.ipynb #0054c233
 def _iou(a:np.ndarray, b:np.ndarray)->float:

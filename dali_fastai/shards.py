@@ -98,9 +98,7 @@ def _ext(f:Path)->str:
 
 class _TFRecordSink:
     "`tf.train.Example` records into `<prefix>-000000.tfrecord`, ... of `shard_size` records each"
-    def __init__(self, pattern:str, shard_size:int):
-        tf_record(b'') # its CRCs need google_crc32c: a missing one is said here, before an empty shard is left behind
-        self.pattern,self.shard_size,self.n,self.f = pattern,shard_size,0,None
+    def __init__(self, pattern:str, shard_size:int): self.pattern,self.shard_size,self.n,self.f = pattern,shard_size,0,None
     def write(self, image:bytes, label:int):
         if self.n % self.shard_size == 0:
             self.close(); self.f = open(self.pattern % (self.n // self.shard_size), 'wb')
@@ -131,6 +129,7 @@ def write_shards(items:list, # `(image file, integer label)` pairs
         sink = wds.ShardWriter(str(dest/f'{prefix}-%06d.tar'), maxcount=shard_size, verbose=0)
         put = lambda k,f,label: sink.write({'__key__': f'{k:09d}', _ext(f): f.read_bytes(), 'cls': int(label)})
     else:
+        _needs('google_crc32c', "write_shards(format='tfrecord')", 'shards') # the records' CRCs: said before a shard file is opened
         sink = _TFRecordSink(str(dest/f'{prefix}-%06d.tfrecord'), shard_size)
         put = lambda k,f,label: (_ext(f), sink.write(f.read_bytes(), int(label)))
     try:

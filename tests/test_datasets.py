@@ -269,3 +269,10 @@ def test_brightness_is_the_files_mean_pixel(written):
     assert np.abs(from_files - df.brightness.values).max() < 0.01  # JPEG error only
     assert np.corrcoef(from_files, df.brightness.values)[0, 1] > 0.99
     assert df.brightness.std() > 0.05  # a target that varies
+
+
+def test_sample_photo_without_scikit_image_names_the_extra(monkeypatch):
+    "The benchmark set and the scenes are made from scikit-image's photos: without it, what needed them says which extra installs it"
+    monkeypatch.setitem(sys.modules, 'skimage.data', None)
+    with pytest.raises(ImportError, match=r"the benchmark set \(made from scikit-image's sample photos\) needs the module 'skimage.data'.*dali-fastai\[bench\]"):
+        datasets.sample_photo('coffee', 'the benchmark set')
