@@ -4,7 +4,7 @@ Run by tests/test_distributed.py on the CPU (gloo):  python -m torch.distributed
 (and as two "nodes" of two processes: --nnodes 2 --node_rank 0|1 --master_addr 127.0.0.1, then --check OUT 4)
 On GPUs:  torchrun --nproc_per_node 2 tests/ddp_worker.py OUT --device gpu && python tests/ddp_worker.py --check OUT
 `--fast-step` trains with `FastStep()`: the same checks hold (the metrics gathered across ranks on the device)."""
-import argparse, json, math, os, sys, time
+import argparse, faulthandler, json, math, os, sys, time
 from pathlib import Path
 
 import torch
@@ -37,6 +37,7 @@ def main():
     p.add_argument('--n-valid', type=int, default=23); p.add_argument('--bs', type=int, default=4)
     p.add_argument('--fast-step', action='store_true', help="train with FastStep (fused optimizer, metrics on the device)")
     a = p.parse_args()
+    faulthandler.enable()  # a crash in C++ (gloo, DALI) prints every thread's Python stack to the test's stderr
     rank, world = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])
     out = Path(a.out)
     files = make_index_images(out/'images', a.n_train + a.n_valid) if rank == 0 else None
@@ -67,6 +68,10 @@ def main():
                ddp_valid=[float(v) for v in ddp_valid], whole_valid=[float(v) for v in whole],
                restored=restored, seed=dls.train.seed, device=str(dls.train.device), after_ctx=after_ctx, after_unshard=after_unshard)
     (out/f'rank{rank}.json').write_text(json.dumps(res))
+    # shut down in order: fastai's distrib_ctx leaves the process group that accelerate made, and a gloo group torn
+    # down at interpreter exit can abort the process ("terminate called without an active exception")
+    for dl in learn.dls.loaders: dl.close()
+    if torch.distributed.is_initialized(): torch.distributed.destroy_process_group()
 
 
 def check(out:Path, n_train:int=61, n_valid:int=23, bs:int=4, world:int=2)->str:
