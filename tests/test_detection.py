@@ -5,7 +5,7 @@ import matplotlib.pyplot as plt
 import pytest
 import torch
 from fastai.vision.all import TensorBBox, TensorMultiCategory, bb_pad, TensorImage
-from dali_fastai.detection import (fastai_to_targets, small_detector, BatchedTransform, BatchedFCOS, DetectionAdapter, DetectionTargets, DetectionMAP,
+from dali_fastai.detection import (fastai_to_targets, small_detector, BatchedTransform, BatchedFCOS, BatchedRetinaNet, DetectionAdapter, DetectionTargets, DetectionMAP,
                                    detection_loss, DetectionLoss, padded_detections, unpadded)
 
 H,W = 48, 64
@@ -205,3 +205,81 @@ def test_batched_fcos_loss_is_torchvision_s():
     assert ours.keys() == theirs.keys()
     for k in ours: assert torch.allclose(ours[k], theirs[k], rtol=1e-6), (k, ours[k], theirs[k])
     assert all(v > 0 for v in ours.values())
+
+
+def torchvision_twin(model):
+    "torchvision's own FCOS or RetinaNet made of `model`'s modules: its transform, box check, matching and losses"
+    from torchvision.models.detection import FCOS, RetinaNet
+    t = model.transform
+    cls = FCOS if isinstance(model, FCOS) else RetinaNet
+    return cls(model.backbone, 5, min_size=t.min_size, max_size=t.max_size, image_mean=t.image_mean, image_std=t.image_std,
+               anchor_generator=model.anchor_generator, head=model.head)
+
+def step(model, xs, targets):
+    "One training step's losses and the head's gradients"
+    model.zero_grad()
+    losses = model(xs, targets)
+    sum(losses.values()).backward()
+    return {k: v.detach() for k,v in losses.items()},{n: p.grad.clone() for n,p in model.head.named_parameters()}
+
+def scene(n_boxes, size=128, seed=0, small=False):
+    "Boxes for each image (`n_boxes` each); `small`: 2 to 10 pixels, whose best anchors' IoUs are below the thresholds"
+    g = torch.Generator().manual_seed(seed)
+    res = []
+    for n in n_boxes:
+        xy = torch.rand(n, 2, generator=g) * (size - 12)
+        wh = (2 + torch.rand(n, 2, generator=g) * 8) if small else (4 + torch.rand(n, 2, generator=g) * 100)
+        res.append({'boxes': torch.cat([xy, (xy + wh).clamp(max=size)], -1), 'labels': torch.randint(1, 5, (n,), generator=g)})
+    return res
+
+@pytest.mark.parametrize('arch', ['fcos', 'retinanet'])
+@pytest.mark.parametrize('case', ['mixed', 'small boxes', 'no boxes'])
+def test_batched_step_is_torchvision_s(arch, case):
+    "A training step of BatchedFCOS/BatchedRetinaNet: torchvision's losses and gradients, images without boxes included"
+    torch.manual_seed(3)
+    model = small_detector(5, 128, arch, fpn_channels=32)
+    assert type(model) is {'fcos': BatchedFCOS, 'retinanet': BatchedRetinaNet}[arch]
+    twin = torchvision_twin(model)
+    targets = scene({'mixed': [5, 3, 0, 1, 6], 'small boxes': [3, 2, 0, 4, 1], 'no boxes': [0]*5}[case], small=case == 'small boxes')
+    xs = list(torch.randn(5, 3, 128, 128))
+    (l_ours,g_ours),(l_theirs,g_theirs) = step(model, xs, targets),step(twin, xs, targets)
+    assert l_ours.keys() == l_theirs.keys()
+    for k in l_theirs: assert torch.allclose(l_ours[k], l_theirs[k], rtol=1e-5, atol=1e-6), (k, l_ours[k], l_theirs[k])
+    for k in g_theirs: assert torch.allclose(g_ours[k], g_theirs[k], rtol=1e-4, atol=1e-6), k
+    if case == 'no boxes': assert all(v == 0 for k,v in l_ours.items() if k != 'classification')
+    else: assert all(v > 0 for v in l_ours.values())
+
+@pytest.mark.parametrize('small', [False, True])
+def test_retinanet_match_is_torchvision_s(small):
+    """BatchedRetinaNet.match gives each anchor the box torchvision's Matcher gives it, image by image: -2 between the thresholds, and
+    boxes too small for any anchor's IoU to reach 0.4 still get their best anchors (the low-quality rule)"""
+    from torchvision.ops import box_iou
+    model = small_detector(5, 128, 'retinanet', fpn_channels=32)
+    targets = scene([5, 3, 0, 1, 6], small=small)
+    boxes = torch.nn.utils.rnn.pad_sequence([t['boxes'] for t in targets], batch_first=True)
+    real = torch.nn.utils.rnn.pad_sequence([torch.ones(len(t['boxes']), dtype=torch.bool) for t in targets], batch_first=True)
+    images,_ = model.transform(list(torch.randn(5, 3, 128, 128)))
+    anchors = torch.stack(model.anchor_generator(images, list(model.backbone(images.tensors).values())))
+    ours = model.match(boxes, real, anchors)
+    for i,t in enumerate(targets):
+        theirs = model.proposal_matcher(box_iou(t['boxes'], anchors[i])) if len(t['boxes']) else torch.full_like(ours[i], -1)
+        assert torch.equal(ours[i], theirs), i
+    if small:
+        assert (torch.vmap(box_iou)(boxes, anchors).amax((1, 2)) < 0.4).all()
+        for i,t in enumerate(targets): assert set(ours[i][ours[i] >= 0].tolist()) == set(range(len(t['boxes'])))
+    else: assert (ours == -2).sum() > 20 and (ours >= 0).sum() > 20
+
+def test_giou_loss_is_torchvision_s():
+    from torchvision.ops import generalized_box_iou_loss
+    from dali_fastai.detection import _giou_loss
+    torch.manual_seed(4)
+    a,b = torch.rand(2, 500, 4) * 60
+    a[:, 2:] += a[:, :2] + 1; b[:, 2:] += b[:, :2] + 1
+    assert torch.allclose(_giou_loss(a, b), generalized_box_iou_loss(a, b), atol=1e-6)
+
+@pytest.mark.parametrize('arch', ['fcos', 'retinanet'])
+def test_a_box_without_width_is_named(arch):
+    model = small_detector(5, 128, arch, fpn_channels=32)
+    targets = scene([2, 1, 3])
+    targets[2]['boxes'][1, 3] = targets[2]['boxes'][1, 1] # no height
+    with pytest.raises(ValueError, match=r'target 2 has a box with no width or height'): model(list(torch.randn(3, 3, 128, 128)), targets)

@@ -1,6 +1,7 @@
 """How much work a detector's training step asks of PyTorch: the aten ops one step of `DetectionAdapter(small_detector(...))`
-dispatches and its seconds on the CPU, for a batch of fastai's padded boxes. On a GPU each op is a kernel launch or a
-host-side step, so fewer ops a step is less host time; run it on two checkouts to compare them.
+dispatches, the ones among them that make the host wait for a GPU, and its seconds on the CPU, for a batch of fastai's
+padded boxes. On a GPU each op is a kernel launch or a host-side step, so fewer ops a step is less host time, and each
+wait stops the host until the device has caught up; run it on two checkouts to compare them.
 
     python tools/detection_ops.py [--arch fcos] [--bs 64] [--size 64]"""
 import argparse, time, warnings
@@ -13,10 +14,14 @@ from dali_fastai.detection import DetectionAdapter, small_detector, detection_lo
 
 
 class Ops(TorchDispatchMode):
-    "Count the aten ops dispatched"
-    def __init__(self): super().__init__(); self.n = 0
+    "Count the aten ops dispatched, and those a GPU makes the host wait for (a value read, `nonzero`, a boolean-mask index)"
+    WAITS = (torch.ops.aten._local_scalar_dense, torch.ops.aten.nonzero)
+    MASKED = (torch.ops.aten.index, torch.ops.aten.index_put, torch.ops.aten.index_put_)
+    def __init__(self): super().__init__(); self.n,self.waits = 0,0
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        op = func.overloadpacket
         self.n += 1
+        self.waits += op in self.WAITS or (op in self.MASKED and any(i is not None and i.dtype == torch.bool for i in args[1]))
         return func(*args, **(kwargs or {}))
 
 
@@ -36,7 +41,8 @@ def main():
     secs = []
     for _ in range(3):
         start = time.perf_counter(); step(); secs.append(time.perf_counter() - start)
-    print(f"{a.arch}, bs {a.bs}, {a.size} px: {ops.n} aten ops a training step, {min(secs):.3f} s a step on the CPU (best of 3)")
+    print(f"{a.arch}, bs {a.bs}, {a.size} px: {ops.n} aten ops a training step, {ops.waits} of them waits for a GPU, "
+          f"{min(secs):.3f} s a step on the CPU (best of 3)")
 
 
 if __name__ == '__main__': main()
