@@ -283,3 +283,16 @@ def test_a_box_without_width_is_named(arch):
     targets = scene([2, 1, 3])
     targets[2]['boxes'][1, 3] = targets[2]['boxes'][1, 1] # no height
     with pytest.raises(ValueError, match=r'target 2 has a box with no width or height'): model(list(torch.randn(3, 3, 128, 128)), targets)
+
+def test_cached_anchors_follow_the_batch():
+    "CachedAnchors gives the anchors torchvision's generator makes, again for the same sizes, anew for another batch or size"
+    from torchvision.models.detection.anchor_utils import AnchorGenerator
+    from dali_fastai.detection import CachedAnchors
+    model = small_detector(5, (64, 96), fpn_channels=32)
+    assert type(model.anchor_generator) is CachedAnchors
+    plain = AnchorGenerator(((8,), (16,), (32,), (64,), (128,)), ((1.0,),)*5)
+    for n,(h,w) in [(3, (64, 96)), (3, (64, 96)), (2, (64, 96)), (2, (64, 128))]:
+        images,_ = model.transform(list(torch.randn(n, 3, h, w)))
+        feats = list(model.backbone(images.tensors).values())
+        got,want = model.anchor_generator(images, feats),plain(images, feats)
+        assert len(got) == n and all(torch.equal(a, b) for a,b in zip(got, want)), (n, h, w)
