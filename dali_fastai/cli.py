@@ -127,7 +127,8 @@ def train_detection(path:str|Path|None=None, # COCO or Pascal VOC folder; None: 
                    ):
     "Train a detector on `path` with DALI loaders, print a final line with COCO mAP (`map`, `map_50`), and return the `Learner`"
     def learner(dls, size):
-        from dali_fastai.detection import small_detector, detection_learner
+        from dali_fastai.detectors import small_detector
+        from dali_fastai.detection import detection_learner
         return detection_learner(dls, small_detector(len(dls.vocab), size, arch))
     return _train_task(detection_dataloaders, learner, arch, path, bs=bs, **kwargs)
 

@@ -28,7 +28,8 @@ from fastai.metrics import DiceMulti, accuracy
 from .measure import bench_images, machine_info, learner_throughput, throughput_learner, Throughput, _endless, _pass, _sync, _fit_once
 from .baselines import fastai_aug_tfms
 from .taskblocks import coco_dblock, voc_segmentation_dblock
-from .detection import small_detector, detection_learner, DetectionTargets
+from .detectors import small_detector
+from .detection import detection_learner, DetectionTargets
 from .scenes import fashion_scenes
 from .faststep import FastStep
 

@@ -23,7 +23,8 @@ from fastai.metrics import accuracy
 from .util import cache_dir
 from .loader import as_device
 from .data import DaliDataLoaders
-from .detection import small_detector, detection_learner
+from .detectors import small_detector
+from .detection import detection_learner
 from .scenes import fashion_scenes
 from .faststep import FastStep
 from .measure import bench_images, side_by_side, learner_throughput, machine_info, _ratio, _verdict, _fit_once

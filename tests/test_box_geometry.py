@@ -191,7 +191,8 @@ def test_a_detector_learns_from_dali_batches(tmp_path):
     pytest.importorskip('pycocotools', reason="the detector's mAP metric needs pycocotools (in the project's dev extras)")
     from fastai.learner import load_learner
     from dali_fastai.annotations import read_coco
-    from dali_fastai.detection import small_detector, detection_learner
+    from dali_fastai.detectors import small_detector
+    from dali_fastai.detection import detection_learner
     from dali_fastai.scenes import fashion_scenes
     p = fashion_scenes(tmp_path/'scenes', n_train=16, n_valid=8, size=96, progress=False)
     ann = {r.file.name: (r.boxes.tolist(), r.labels) for s in ('train', 'valid')

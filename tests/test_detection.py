@@ -1,11 +1,12 @@
-"`dali_fastai.detection` on CPU: fastai's padded batches to torchvision targets, a training step, predictions, mAP"
+"`dali_fastai.detection` and `dali_fastai.detectors` on CPU: fastai's padded batches to torchvision targets, the batched detectors against torchvision's, a training step, predictions, mAP"
 import math, sys, warnings
 from types import SimpleNamespace
 import matplotlib.pyplot as plt
 import pytest
 import torch
 from fastai.vision.all import TensorBBox, TensorMultiCategory, bb_pad, TensorImage
-from dali_fastai.detection import (fastai_to_targets, small_detector, BatchedTransform, BatchedFCOS, BatchedRetinaNet, DetectionAdapter, DetectionTargets, DetectionMAP,
+from dali_fastai.detectors import small_detector, BatchedTransform, BatchedFCOS, BatchedRetinaNet
+from dali_fastai.detection import (fastai_to_targets, DetectionAdapter, DetectionTargets, DetectionMAP,
                                    detection_loss, DetectionLoss, padded_detections, unpadded)
 
 H,W = 48, 64
@@ -271,7 +272,7 @@ def test_retinanet_match_is_torchvision_s(small):
 
 def test_giou_loss_is_torchvision_s():
     from torchvision.ops import generalized_box_iou_loss
-    from dali_fastai.detection import _giou_loss
+    from dali_fastai.detectors import _giou_loss
     torch.manual_seed(4)
     a,b = torch.rand(2, 500, 4) * 60
     a[:, 2:] += a[:, :2] + 1; b[:, 2:] += b[:, :2] + 1
@@ -287,7 +288,7 @@ def test_a_box_without_width_is_named(arch):
 def test_cached_anchors_follow_the_batch():
     "CachedAnchors gives the anchors torchvision's generator makes, again for the same sizes, anew for another batch or size"
     from torchvision.models.detection.anchor_utils import AnchorGenerator
-    from dali_fastai.detection import CachedAnchors
+    from dali_fastai.detectors import CachedAnchors
     model = small_detector(5, (64, 96), fpn_channels=32)
     assert type(model.anchor_generator) is CachedAnchors
     plain = AnchorGenerator(((8,), (16,), (32,), (64,), (128,)), ((1.0,),)*5)

@@ -10,7 +10,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from fastai.vision.all import TensorBBox, TensorMultiCategory
 
-from dali_fastai.detection import DetectionAdapter, small_detector, detection_loss
+from dali_fastai.detectors import small_detector
+from dali_fastai.detection import DetectionAdapter, detection_loss
 
 
 class Ops(TorchDispatchMode):
