@@ -17,7 +17,8 @@ from fastai.optimizer import Adam
 from fastai.vision.learner import vision_learner
 
 from dali_fastai.all import *
-from dali_fastai.faststep import FastStep, FastOptimizer
+from dali_fastai.fastopt import FastOptimizer
+from dali_fastai.faststep import FastStep
 from helpers import fmnist_path, fmnist_subset
 from test_distributed import _learner
 
