@@ -64,10 +64,10 @@ def _giou_loss(a:torch.Tensor, b:torch.Tensor, eps:float=1e-7)->torch.Tensor:
     return 1 - inter / (union + eps) + (hull - union) / (hull + eps)
 
 def padded_targets(targets:list, # per image, torchvision's {'boxes': [n, 4], 'labels': [n]}
-                  )->tuple: # boxes [N, M, 4] and labels [N, M], zero-padded to the most boxes M; [N, M] bool: the real rows
+                  )->tuple: # boxes [N, M, 4], labels [N, M] and which rows are real [N, M], zero-padded; M: the most boxes, at least 1
     "The batch's boxes and labels padded as one tensor each, in a few ops (`pad_sequence` copies each image's rows apart)"
     counts = [len(t['labels']) for t in targets]
-    m = max(counts, default=0)
+    m = max(counts + [1]) # a padding row in every image: each anchor always has a box to point at
     real = torch.arange(m) < torch.tensor(counts)[:, None] # made on the host: nothing waits for the device
     rows = torch.tensor([i*m + j for i,n in enumerate(counts) for j in range(n)], dtype=torch.int64)
     def pad(k):
@@ -77,40 +77,48 @@ def padded_targets(targets:list, # per image, torchvision's {'boxes': [n, 4], 'l
         return res.unflatten(0, real.shape)
     return pad('boxes'),pad('labels'),to_device_async(real, targets[0]['labels'].device)
 
-def _check_boxes(targets:list):
-    "torchvision's checks of a training batch's boxes ([n, 4], positive width and height), with one read for the batch"
+def _check_shapes(targets:list):
+    "torchvision's check of a training batch's target shapes: each image's boxes a tensor [n, 4]"
     for i,t in enumerate(targets):
         b = t['boxes']
         if not isinstance(b, torch.Tensor) or b.ndim != 2 or b.shape[-1] != 4:
             raise ValueError(f"target {i}: expected its 'boxes' as a tensor [n, 4], got {getattr(b, 'shape', type(b).__name__)}")
-    boxes = torch.cat([t['boxes'] for t in targets])
-    bad = (boxes[:, 2:] <= boxes[:, :2]).any(1)
+
+def _check_boxes(boxes:torch.Tensor, real:torch.Tensor): # `padded_targets`' boxes and real rows
+    "torchvision's check that every box has a positive width and height, with one read for the batch"
+    bad = real & (boxes[..., 2:] <= boxes[..., :2]).any(-1)
     if not bad.any(): return
-    j = int(bad.nonzero()[0])
-    i = int((torch.tensor([len(t['boxes']) for t in targets]).cumsum(0) <= j).sum())
-    raise ValueError(f"target {i} has a box with no width or height, {boxes[j].tolist()} (ltrb pixels): FCOS needs x1 > x0 "
-                     f"and y1 > y0 for every box; drop empty boxes before training")
+    i,j = bad.nonzero()[0].tolist()
+    raise ValueError(f"target {i} has a box with no width or height, {boxes[i, j].tolist()} (ltrb pixels): torchvision's "
+                     f"detectors need x1 > x0 and y1 > y0 for every box; drop empty boxes before training")
 
 class _OneBatchStep:
-    "A torchvision one-stage detector's training step with the boxes checked once for the batch and the losses of `batch_losses`"
+    "A torchvision one-stage detector's training step for the whole batch: its targets padded and checked once, its losses `batch_losses`'"
+    def batched(self)->bool: return True # False: torchvision's own step (a matcher or loss `batch_losses` does not know)
     def forward(self, images:list, targets:list|None=None):
-        if not self.training or targets is None: return super().forward(images, targets)
-        _check_boxes(targets)
+        if not self.training or targets is None or not self.batched(): return super().forward(images, targets)
+        _check_shapes(targets)
         images,targets = self.transform(images, targets)
+        boxes,labels,real = padded_targets(targets)
+        _check_boxes(boxes, real)
         features = self.backbone(images.tensors)
         features = [features] if isinstance(features, torch.Tensor) else list(features.values())
-        return self.batch_losses(targets, self.head(features), self.anchor_generator(images, features), features)
+        anchors = torch.stack(self.anchor_generator(images, features)) # every image of a batch has the same anchors
+        return self.batch_losses(boxes, labels, real, self.head(features), anchors, [f.size(2)*f.size(3) for f in features])
+
+def _anchor_targets(gt:torch.Tensor, labels:torch.Tensor, # `padded_targets`' boxes [N, M, 4] and labels [N, M]
+                    matched:torch.Tensor, # [N, A]: each anchor's box, negative for none
+                    logits:torch.Tensor, # [N, A, classes]: the head's class scores
+                   )->tuple: # each anchor's box [N, A, 4] (its image's first row for none); one-hot classes [N, A, classes], zero for none
+    "Each anchor's box and class target, gathered for the batch (`one_hot` would check the labels' range with a read)"
+    idx = matched.clamp(min=0)
+    onehot = torch.zeros_like(logits).scatter_(2, labels.gather(1, idx)[..., None], (matched >= 0)[..., None].to(logits.dtype))
+    return gt.gather(1, idx[..., None].expand(-1, -1, 4)),onehot
 
 # %% ../nbs/07b_detectors.ipynb #a7c3e1f0
 class BatchedFCOS(_OneBatchStep, FCOS):
     "torchvision's FCOS whose training step handles the batch at once: its boxes checked, anchor points assigned and losses summed"
-    def batch_losses(self, targets, head_outputs, anchors, features):
-        return self.compute_loss(targets, head_outputs, anchors, [f.size(2)*f.size(3) for f in features])
-
-    def compute_loss(self, targets:list, head_outputs:dict, anchors:list, num_anchors_per_level:list)->dict:
-        if len({a.shape for a in anchors}) != 1: return super().compute_loss(targets, head_outputs, anchors, num_anchors_per_level)
-        boxes,labels,_ = padded_targets(targets)
-        anchors = torch.stack(anchors)
+    def batch_losses(self, boxes, labels, real, head_outputs, anchors, num_anchors_per_level):
         return self.losses(boxes, labels, head_outputs, anchors, self.match(boxes, anchors, num_anchors_per_level))
 
     def match(self, gt:torch.Tensor, # [N, M, 4]: each image's boxes, ltrb pixels, padded with zero boxes
@@ -118,7 +126,6 @@ class BatchedFCOS(_OneBatchStep, FCOS):
               num_anchors_per_level:list, # anchors of each pyramid level, finest first
              )->torch.Tensor: # [N, A]: each anchor's box in its image, -1 for none
         "FCOS's assignment, as `FCOS.compute_loss` makes it per image, for every image at once"
-        if gt.shape[1] == 0: return anchors.new_full(anchors.shape[:2], -1, dtype=torch.int64)
         centers,anchor_centers = (gt[..., :2] + gt[..., 2:]) / 2,(anchors[..., :2] + anchors[..., 2:]) / 2
         sizes = anchors[..., 2] - anchors[..., 0] # [N, A]
         match = (anchor_centers[:, :, None] - centers[:, None]).abs_().max(dim=3).values < self.center_sampling_radius * sizes[..., None]
@@ -143,11 +150,9 @@ class BatchedFCOS(_OneBatchStep, FCOS):
         "`FCOSHead.compute_loss` for the batch: the background masked out by arithmetic, the foreground count kept on the device"
         fg = matched >= 0
         n_fg = fg.sum().clamp(min=1)
-        if gt.shape[1] == 0: gt,labels = anchors.new_zeros(anchors.shape),matched.new_zeros(matched.shape)
-        else: gt,labels = gt.gather(1, matched.clamp(min=0)[..., None].expand(-1, -1, 4)),labels.gather(1, matched.clamp(min=0))
-        logits,coder = head_outputs['cls_logits'],self.head.box_coder
-        onehot = torch.zeros_like(logits).scatter_(2, labels[..., None], fg[..., None].to(logits.dtype)) # one_hot would check the labels' range: a read
-        cls = sigmoid_focal_loss(logits, onehot, reduction='sum')
+        gt,onehot = _anchor_targets(gt, labels, matched, head_outputs['cls_logits'])
+        cls = sigmoid_focal_loss(head_outputs['cls_logits'], onehot, reduction='sum')
+        coder = self.head.box_coder
         pred = coder.decode(head_outputs['bbox_regression'], anchors)
         # background rows compare an anchor with itself: finite, and masked out
         reg = _giou_loss(torch.where(fg[..., None], pred, anchors), torch.where(fg[..., None], gt, anchors))
@@ -190,13 +195,8 @@ def small_detector(n_classes:int, # classes, `#na#` (label 0) included: `len(dls
 # %% ../nbs/07b_detectors.ipynb #d52e0b02
 class BatchedRetinaNet(_OneBatchStep, RetinaNet):
     "torchvision's RetinaNet whose training step handles the batch at once: its boxes checked, anchors matched and losses summed"
-    def batch_losses(self, targets, head_outputs, anchors, features): return self.compute_loss(targets, head_outputs, anchors)
-
-    def compute_loss(self, targets:list, head_outputs:dict, anchors:list)->dict:
-        if (len({a.shape for a in anchors}) != 1 or type(self.proposal_matcher) is not Matcher
-            or self.head.regression_head._loss_type != 'l1'): return super().compute_loss(targets, head_outputs, anchors)
-        boxes,labels,real = padded_targets(targets)
-        anchors = torch.stack(anchors)
+    def batched(self)->bool: return type(self.proposal_matcher) is Matcher and self.head.regression_head._loss_type == 'l1'
+    def batch_losses(self, boxes, labels, real, head_outputs, anchors, num_anchors_per_level):
         return self.losses(boxes, labels, head_outputs, anchors, self.match(boxes, real, anchors))
 
     def match(self, gt:torch.Tensor, # [N, M, 4]: each image's boxes, ltrb pixels, padded
@@ -205,7 +205,6 @@ class BatchedRetinaNet(_OneBatchStep, RetinaNet):
              )->torch.Tensor: # [N, A]: each anchor's box, -1 below the low threshold, -2 between the thresholds
         "torchvision's `Matcher` on each image's IoUs, for every image at once (padding rows never match)"
         m = self.proposal_matcher
-        if gt.shape[1] == 0: return anchors.new_full(anchors.shape[:2], m.BELOW_LOW_THRESHOLD, dtype=torch.int64)
         iou = torch.vmap(box_iou)(gt, anchors).masked_fill_(~real[..., None], -1.) # [N, M, A]
         vals,best = iou.max(dim=1)
         res = best.masked_fill(vals < m.low_threshold, m.BELOW_LOW_THRESHOLD)
@@ -218,12 +217,9 @@ class BatchedRetinaNet(_OneBatchStep, RetinaNet):
     def losses(self, gt:torch.Tensor, labels:torch.Tensor, head_outputs:dict, anchors:torch.Tensor, matched:torch.Tensor)->dict:
         "RetinaNet's focal and L1 losses, each image's divided by its foreground count and averaged, the background masked out by arithmetic"
         fg,valid = matched >= 0,matched != self.proposal_matcher.BETWEEN_THRESHOLDS
-        n_fg,idx = fg.sum(1).clamp(min=1),matched.clamp(min=0)
-        if gt.shape[1] == 0: gt,labels = anchors.new_zeros(anchors.shape),matched.new_zeros(matched.shape)
-        else: gt,labels = gt.gather(1, idx[..., None].expand(-1, -1, 4)),labels.gather(1, idx)
-        logits = head_outputs['cls_logits']
-        onehot = torch.zeros_like(logits).scatter_(2, labels[..., None], fg[..., None].to(logits.dtype))
-        cls = torch.where(valid[..., None], sigmoid_focal_loss(logits, onehot, reduction='none'), 0.).sum((1, 2)) / n_fg
+        n_fg = fg.sum(1).clamp(min=1)
+        gt,onehot = _anchor_targets(gt, labels, matched, head_outputs['cls_logits'])
+        cls = torch.where(valid[..., None], sigmoid_focal_loss(head_outputs['cls_logits'], onehot, reduction='none'), 0.).sum((1, 2)) / n_fg
         coder = self.head.regression_head.box_coder
         weights = to_device_async(torch.tensor(coder.weights, dtype=anchors.dtype), anchors.device) # encode_single copies them each image
         # background rows encode an anchor against itself: finite, and masked out

@@ -6,7 +6,7 @@ Docs: https://dali-fastai.github.io/dali_fastai/faststep.html.md"""
 
 # %% auto #0
 __all__ = ['DeviceSmoothLoss', 'DeviceAvgLoss', 'DeviceAvgMetric', 'DeviceAccumMetric', 'on_device', 'HostMirror',
-           'HostSmoothLoss', 'host_losses', 'GraphCapture', 'FastStep', 'HostReads']
+           'HostSmoothLoss', 'host_losses', 'GraphCapture', 'FastStep', 'HostReads', 'OpCounts']
 
 # %% ../nbs/07e_faststep.ipynb #2375c90c
 import sys, warnings
@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from fastcore.basics import store_attr
 from fastcore.foundation import L
 from fastai.callback.core import Callback
@@ -262,4 +263,18 @@ class HostReads(TorchFunctionMode):
             f = sys._getframe(1)
             while f and f.f_globals.get('__name__', '').startswith(self.HELPERS): f = f.f_back
             self.counts[f.f_globals.get('__name__', '?') if f else '?'] += 1
+        return func(*args, **(kwargs or {}))
+
+# %% ../nbs/07e_faststep.ipynb #f3c00002
+class OpCounts(TorchDispatchMode):
+    "The aten ops run (`n`, and `counts` by name) and how many of them a GPU makes the host wait for (`waits`)"
+    WAITS = (torch.ops.aten._local_scalar_dense, torch.ops.aten.nonzero)
+    MASKED = (torch.ops.aten.index, torch.ops.aten.index_put, torch.ops.aten.index_put_)
+    def __init__(self): super().__init__(); self.counts,self.waits = Counter(),0
+    @property
+    def n(self)->int: return sum(self.counts.values())
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        op = func.overloadpacket
+        self.counts[str(op)] += 1
+        self.waits += op in self.WAITS or (op in self.MASKED and any(i is not None and i.dtype == torch.bool for i in args[1]))
         return func(*args, **(kwargs or {}))

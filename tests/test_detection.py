@@ -189,25 +189,6 @@ def test_batched_transform_trains_and_predicts_as_torchvision_s(arch, size):
         for k in x: assert torch.allclose(x[k], y[k], atol=1e-5), k
 
 
-def test_batched_fcos_loss_is_torchvision_s():
-    "BatchedFCOS assigns the whole batch at once; its losses are torchvision's per-image ones, images without boxes included"
-    from torchvision.models.detection import FCOS
-    torch.manual_seed(2)
-    model = small_detector(5, (128, 160), fpn_channels=32)
-    assert type(model) is BatchedFCOS
-    xy = torch.rand(4, 6, 2) * 100; wh = 3 + torch.rand(4, 6, 2) * 150 # 3 to 153 pixels: every level's range of sizes
-    boxes = torch.minimum(torch.cat([xy, xy + wh], -1), torch.tensor([160., 128., 160., 128.]))
-    targets = [{'boxes': boxes[i, :n], 'labels': torch.randint(1, 5, (n,))} for i,n in enumerate([6, 0, 2, 4])]
-    images,targets = model.transform(list(torch.randn(4, 3, 128, 160)), targets)
-    features = list(model.backbone(images.tensors).values())
-    outputs,anchors = model.head(features),model.anchor_generator(images, features)
-    levels = [f.size(2)*f.size(3) for f in features]
-    ours,theirs = model.compute_loss(targets, outputs, anchors, levels),FCOS.compute_loss(model, targets, outputs, anchors, levels)
-    assert ours.keys() == theirs.keys()
-    for k in ours: assert torch.allclose(ours[k], theirs[k], rtol=1e-6), (k, ours[k], theirs[k])
-    assert all(v > 0 for v in ours.values())
-
-
 def torchvision_twin(model):
     "torchvision's own FCOS or RetinaNet made of `model`'s modules: its transform, box check, matching and losses"
     from torchvision.models.detection import FCOS, RetinaNet
@@ -223,25 +204,27 @@ def step(model, xs, targets):
     sum(losses.values()).backward()
     return {k: v.detach() for k,v in losses.items()},{n: p.grad.clone() for n,p in model.head.named_parameters()}
 
-def scene(n_boxes, size=128, seed=0, small=False):
-    "Boxes for each image (`n_boxes` each); `small`: 2 to 10 pixels, whose best anchors' IoUs are below the thresholds"
+def scene(n_boxes, size=128, seed=0, small=False, large=False):
+    """Boxes for each image (`n_boxes` each): 4 to 104 pixels; `small`: 2 to 10, whose best anchors' IoUs are below the
+    thresholds; `large`: 3 to 153, clipped to the image, for every pyramid level's range of sizes"""
     g = torch.Generator().manual_seed(seed)
     res = []
     for n in n_boxes:
         xy = torch.rand(n, 2, generator=g) * (size - 12)
-        wh = (2 + torch.rand(n, 2, generator=g) * 8) if small else (4 + torch.rand(n, 2, generator=g) * 100)
+        wh = 2 + torch.rand(n, 2, generator=g) * 8 if small else 3 + torch.rand(n, 2, generator=g) * 150 if large else 4 + torch.rand(n, 2, generator=g) * 100
         res.append({'boxes': torch.cat([xy, (xy + wh).clamp(max=size)], -1), 'labels': torch.randint(1, 5, (n,), generator=g)})
     return res
 
 @pytest.mark.parametrize('arch', ['fcos', 'retinanet'])
-@pytest.mark.parametrize('case', ['mixed', 'small boxes', 'no boxes'])
+@pytest.mark.parametrize('case', ['mixed', 'small boxes', 'large boxes', 'no boxes'])
 def test_batched_step_is_torchvision_s(arch, case):
     "A training step of BatchedFCOS/BatchedRetinaNet: torchvision's losses and gradients, images without boxes included"
     torch.manual_seed(3)
     model = small_detector(5, 128, arch, fpn_channels=32)
     assert type(model) is {'fcos': BatchedFCOS, 'retinanet': BatchedRetinaNet}[arch]
     twin = torchvision_twin(model)
-    targets = scene({'mixed': [5, 3, 0, 1, 6], 'small boxes': [3, 2, 0, 4, 1], 'no boxes': [0]*5}[case], small=case == 'small boxes')
+    targets = scene({'mixed': [5, 3, 0, 1, 6], 'small boxes': [3, 2, 0, 4, 1], 'large boxes': [6, 0, 2, 4, 3], 'no boxes': [0]*5}[case],
+                    small=case == 'small boxes', large=case == 'large boxes')
     xs = list(torch.randn(5, 3, 128, 128))
     (l_ours,g_ours),(l_theirs,g_theirs) = step(model, xs, targets),step(twin, xs, targets)
     assert l_ours.keys() == l_theirs.keys()
