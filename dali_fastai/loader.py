@@ -180,7 +180,7 @@ class DaliDataLoader:
         side = [[f[i] for i in idx] for f in [t.side_files for t in self._sides] + ([boxes] if boxes is not None else [])]
         return classification_pipeline(files, idx, self.bs, partial(self._graph, device_id), device_id, self.shuffle, seed,
                                        self.num_threads, self.prefetch, self.rank, self.world_size, order_seed, checkpoint,
-                                       side_files=side, reader=self.items.read)
+                                       side_files=side, reader=self.items.read, host_labels=self._geometric)
 
     def _iterator(self)->DALIGenericIterator:
         "The DALI iterator for the current split and shard (the order is the same on every rank; augmentation differs)"
@@ -295,12 +295,14 @@ class DaliDataLoader:
         if not self.items.labelled: return (x,)
         idx = d['index'].squeeze(-1).long()
         if not self._geometric: return (x, *[t.batch(idx) for t in self.items.targets])
-        # what boxes and points follow: each sample's source window and output → item map, on the batch's device
-        geo = dict(window=to_device_async(d['window'], idx.device), matrix=to_device_async(d['matrix'], idx.device), item_hw=self.recipe.item_size,
-                   out_hw=self.recipe.size)
+        # boxes and points follow each sample's source window and output → item map. DALI gives these and the index on the
+        # host: the targets are computed there (a few small tensors), then copied, so that nothing waits for the GPU (on it,
+        # a batch's boxes need reads of the device: how many each image keeps)
+        geo = dict(window=d['window'], matrix=d['matrix'], item_hw=self.recipe.item_size, out_hw=self.recipe.size)
+        on = to_device_async(idx, x.device)
         sides = {id(t): {n: d[f'side{k}_{n}'] for n in t.side_names} for k,t in enumerate(self._sides)}
-        return (x, *[t.batch(idx, geo, sides[id(t)]) if id(t) in sides else t.batch(idx, geo) if getattr(t, 'geometric', False)
-                     else t.batch(idx) for t in self.items.targets])
+        return (x, *[t.batch(on, geo, sides[id(t)]) if id(t) in sides else to_device_async(t.batch(idx, geo), x.device)
+                     if getattr(t, 'geometric', False) else t.batch(on) for t in self.items.targets])
 
     def one_batch(self):
         "A batch from a short-lived copy of this loader, so a running or later epoch is not disturbed"

@@ -179,7 +179,8 @@ def classification_pipeline(files:list, # image paths
                             checkpoint:bytes|None=None, # a DALI checkpoint of this pipeline to resume from
                             side_files:list=(), # other files of each item (e.g. its mask), one list each, read in step with `files`
                             reader=None, # instead of `files` and `labels`: `reader(shuffle, shard_id, num_shards, order_seed)` → (encoded, labels) nodes
-                           )->Pipeline: # outputs `images`, `labels` (N,1) int32 on the pipeline's device, then `images`' other outputs
+                            host_labels:bool=False, # give the labels on the host even on a GPU (for work done there with them)
+                           )->Pipeline: # outputs `images`, `labels` (N,1) int32 on the pipeline's device (or the host), then `images`' other outputs
     "The body every pipeline here shares: (shuffled) reader → `images(encoded)`, and the labels beside them"
     order_seed = seed if order_seed is None else order_seed
     if shuffle and reader is None:
@@ -195,11 +196,11 @@ def classification_pipeline(files:list, # image paths
         side = [read_files(s, list(range(len(s))), name=f'Side{k}', **kw)[0] for k,s in enumerate(side_files)]
         outs = images(encoded, *side)
         outs = outs if isinstance(outs, tuple) else (outs,)
-        pipe.set_outputs(outs[0], on_device(lbls, device_id), *outs[1:])
+        pipe.set_outputs(outs[0], lbls if host_labels else on_device(lbls, device_id), *outs[1:])
     return pipe
 
 # %% ../nbs/03c_pipeline.ipynb #5e7d2a10
-@delegates(classification_pipeline, but=['side_files', 'reader'])
+@delegates(classification_pipeline, but=['side_files', 'reader', 'host_labels'])
 def _normalized_pipeline(files:list, # image paths
                          labels:list, # integer class of each file
                          bs:int, # batch size

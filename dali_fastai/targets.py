@@ -18,6 +18,13 @@ from .util import cache_dir
 from .items import Target
 
 # %% ../nbs/02a_targets.ipynb #c6fe5128
+def _inverse3(m:torch.Tensor, # [bs, 3, 3]
+             )->torch.Tensor: # [bs, 3, 3]
+    "Inverses of 3×3 matrices by their cofactors, in elementwise ops: a batched `linalg.inv` on the host runs LAPACK on the intra-op threads, milliseconds a batch while DALI's threads hold the cores"
+    a,b,c,d,e,f,g,h,i = m.flatten(1).unbind(1)
+    A,B,C = e*i - f*h,f*g - d*i,d*h - e*g
+    return torch.stack([A, c*h - b*i, b*f - c*e, B, a*i - c*g, c*d - a*f, C, b*g - a*h, a*e - b*d], 1).view(-1, 3, 3) / (a*A + b*B + c*C)[:, None, None]
+
 class BatchGeometry:
     "One batch's per-sample geometry: the source window the item step read, and the map from output to item pixels"
     def __init__(self, window:torch.Tensor, # [bs, 4] `x0, y0, x1, y1`, source pixels
@@ -26,7 +33,7 @@ class BatchGeometry:
                  out_hw:tuple, # (h, w) of the batch's images
                 ):
         self.window,self.item_hw,self.out_hw = window.float(),tuple(item_hw),tuple(out_hw)
-        self.inverse = torch.linalg.inv(matrix.float()).transpose(1, 2)  # item → output, transposed for row vectors: once a batch
+        self.inverse = _inverse3(matrix.float()).transpose(1, 2)  # item → output, transposed for row vectors: once a batch
         self.kept = {}  # per box target: the order and mask of the boxes kept (their labels follow them)
 
     def points(self, pts:torch.Tensor, # [bs, k, 2] `(x, y)` pixel edges on the source images
@@ -35,7 +42,8 @@ class BatchGeometry:
         x0y0 = self.window[:, None, :2]
         scale = pts.new_tensor([self.item_hw[1], self.item_hw[0]]) / (self.window[:, None, 2:] - x0y0)
         c = (pts - x0y0)*scale - 0.5  # item pixel centres
-        h = torch.cat([c, torch.ones_like(c[..., :1])], -1) @ self.inverse
+        t = self.inverse[:, None]  # [bs, 1, 3, 3]: applied by elementwise ops, as a host `bmm` would spread tiny work over the threads
+        h = c[..., :1]*t[..., 0, :] + c[..., 1:]*t[..., 1, :] + t[..., 2, :]
         return h[..., :2] / h[..., 2:].clamp_min(1e-8) + 0.5
 
     def scaled(self, pts:torch.Tensor)->torch.Tensor:

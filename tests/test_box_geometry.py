@@ -14,7 +14,7 @@ from PIL import Image
 
 from dali_fastai.data import DaliDataLoaders
 from dali_fastai.steps import RandomBoxCrop
-from helpers import assert_resume_replays
+from helpers import assert_resume_replays, needs_gpu
 
 DEVICE = os.environ.get('DALI_FASTAI_TEST_DEVICE', 'cpu')
 H, W = 96, 128
@@ -295,3 +295,18 @@ def test_boxes_and_points_from_shards(scenes, tmp_path, fmt):
     assert isinstance(a[1], TensorPoint) and torch.equal(a[0], b[0]) and torch.allclose(a[1], b[1])
     with pytest.raises(ValueError, match=r"RandomBoxCrop reads each item's boxes from a file"):
         make(tmp_path/'boxes', item_tfms=RandomBoxCrop(96), **kw).train.one_batch()
+
+
+@needs_gpu('a box batch on the GPU')
+def test_box_batches_do_not_wait_for_the_gpu(scenes):
+    "On the GPU backend the boxes, labels and points are computed on the host from DALI's host outputs, then copied: taking a batch makes no host sync, and gives what the same loader gives on the CPU backend"
+    gpu = loaders(scenes, Resize(96, method='squish'), [], device='gpu')
+    cpu = loaders(scenes, Resize(96, method='squish'), [], device='cpu')
+    next(iter(gpu.valid))  # the pipeline built, the pinned-memory cache warm
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode('error')
+    try: batches = list(gpu.valid)
+    finally: torch.cuda.set_sync_debug_mode(0)
+    (_,b,l),(_,cb,cl) = batches[0],next(iter(cpu.valid))
+    assert b.device.type == 'cuda' and l.device.type == 'cuda' and type(b).__name__ == 'TensorBBox'
+    assert torch.equal(l.cpu(), cl) and (b.cpu() - cb).abs().max() < 1e-5

@@ -5,9 +5,10 @@ import matplotlib.pyplot as plt
 import pytest
 import torch
 from fastai.vision.all import TensorBBox, TensorMultiCategory, bb_pad, TensorImage
-from dali_fastai.detectors import small_detector, BatchedTransform, BatchedFCOS, BatchedRetinaNet
+from dali_fastai.detectors import small_detector, BatchedTransform, BatchedFCOS, BatchedRetinaNet, BoxCheck, padded_targets, unpadded_targets
 from dali_fastai.detection import (fastai_to_targets, DetectionAdapter, DetectionTargets, DetectionMAP,
-                                   detection_loss, DetectionLoss, padded_detections, unpadded)
+                                   detection_loss, DetectionLoss, padded_detections, unpadded, fastai_to_padded)
+from helpers import needs_gpu
 
 H,W = 48, 64
 
@@ -267,6 +268,63 @@ def test_a_box_without_width_is_named(arch):
     targets = scene([2, 1, 3])
     targets[2]['boxes'][1, 3] = targets[2]['boxes'][1, 1] # no height
     with pytest.raises(ValueError, match=r'target 2 has a box with no width or height'): model(list(torch.randn(3, 3, 128, 128)), targets)
+
+@pytest.mark.parametrize('arch', ['fcos', 'retinanet'])
+@pytest.mark.parametrize('size', [128, 96])
+def test_padded_losses_are_the_list_step_s(arch, size):
+    """`padded_losses` (what DetectionAdapter calls with fastai's padded batch) gives the losses of the model's list step on the
+    same targets: padded as they are when the images need no resizing (96 px for a 128 px model: torchvision's own steps)"""
+    torch.manual_seed(5)
+    model = small_detector(5, 128, arch, fpn_channels=32)
+    targets = scene([5, 3, 0, 1, 6])
+    x = torch.randn(5, 3, size, size)
+    boxes,labels,real = padded_targets(targets)
+    ours,theirs = model.padded_losses(x, boxes, labels, real),model(list(x), targets)
+    assert ours.keys() == theirs.keys()
+    for k in theirs: assert torch.allclose(ours[k], theirs[k], rtol=1e-5, atol=1e-6), k
+
+def test_unpadded_targets_undo_padded_targets():
+    targets = scene([5, 3, 0, 1, 6])
+    back = unpadded_targets(*padded_targets(targets))
+    assert [len(t['labels']) for t in back] == [5, 3, 0, 1, 6]
+    for a,b in zip(back, targets): assert torch.equal(a['boxes'], b['boxes']) and torch.equal(a['labels'], b['labels'])
+
+def test_fastai_to_padded_is_fastai_to_targets_padded(batch):
+    "fastai's batch straight to padded pixels (no read of the device) holds what fastai_to_targets gives, padded as padded_targets pads it"
+    _,bx,lb,_,_ = batch
+    ours,theirs = fastai_to_padded(bx, lb, (H, W)),padded_targets(fastai_to_targets(bx, lb, (H, W)))
+    for a,b in zip(ours, theirs): assert torch.equal(a, b)
+    b,l,r = fastai_to_padded(bx[:, :0], lb[:, :0], (H, W))  # no image has a box: one padding row, as padded_targets keeps
+    assert b.shape == (3, 1, 4) and not r.any() and (l == 0).all()
+
+@needs_gpu('the box check on the GPU')
+def test_box_check_on_the_gpu_waits_for_nothing_and_raises_later():
+    "On a GPU the check reads nothing while the step runs: the empty box is left out of the step, and named at the next check"
+    check = BoxCheck()
+    boxes = torch.tensor([[[0., 0., 10., 10.], [5., 5., 5., 9.]]], device='cuda')
+    real = torch.ones(1, 2, dtype=torch.bool, device='cuda')
+    torch.cuda.set_sync_debug_mode('error')
+    try: kept = check(boxes, real)
+    finally: torch.cuda.set_sync_debug_mode(0)
+    assert kept.tolist() == [[True, False]]
+    with pytest.raises(ValueError, match=r'target 0 of an earlier training batch has a box with no width or height, \[5.0, 5.0, 5.0, 9.0\]'):
+        check.check()
+    assert check(boxes[:, :1], real[:, :1]).tolist() == [[True]]
+    check.check()  # a batch of good boxes: nothing to say
+
+@needs_gpu('a detector training step on the GPU')
+@pytest.mark.parametrize('arch', ['fcos', 'retinanet'])
+def test_a_detector_step_on_the_gpu_makes_no_host_sync(batch, arch):
+    "DetectionAdapter's training step (fastai's padded batch in, backward) reads nothing from the device"
+    _,bx,lb,_,_ = batch  # on images of a size the detector takes as they are (sides divisible by 32): no per-image steps
+    model = DetectionAdapter(small_detector(4, (64, 96), arch=arch, fpn_channels=64)).cuda().train()
+    x,bx,lb = torch.randn(3, 3, 64, 96, device='cuda'),bx.cuda(),lb.cuda()
+    detection_loss(model(x, bx, lb)).backward()  # the first step: anchors cached, pinned memory allocated
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode('error')
+    try: detection_loss(model(x, bx, lb)).backward()
+    finally: torch.cuda.set_sync_debug_mode(0)
+    model.eval()  # the box check's verdicts read: all good
 
 def test_cached_anchors_follow_the_batch():
     "CachedAnchors gives the anchors torchvision's generator makes, again for the same sizes, anew for another batch or size"
