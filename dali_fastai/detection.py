@@ -134,10 +134,19 @@ class DetectionLoss:
         return TensorBBox(boxes),TensorMultiCategory(d['labels'] * real[..., 0]),d['scores']
     def decodes(self, out:tuple)->tuple: return out[:2]  # boxes and labels: what the loader's targets decode
 
+def _pad_rows(t:torch.Tensor, rows:int)->torch.Tensor:
+    "`t` [bs, n, ...] with zero rows after its own, to `rows`"
+    return t if t.shape[1] == rows else torch.cat([t, t.new_zeros(t.shape[0], rows - t.shape[1], *t.shape[2:])], 1)
+
 class DetectionTargets(Callback):
-    "Pass the batch's boxes and labels to the model with the images: `model(x, boxes, labels)`"
+    "Pass the batch's boxes and labels to the model with the images: `model(x, boxes, labels)`, padded to the most rows seen (a multiple of 8), so that a CUDA graph sees few shapes"
     order = 90  # after callbacks that change the batch
-    def before_batch(self): self.learn.xb = (*self.xb, *self.yb)
+    def __init__(self, multiple:int=8): self.multiple,self.rows = multiple,0
+    def before_batch(self):
+        if len(self.yb) != 2: self.learn.xb = (*self.xb, *self.yb); return # `predict`, `get_preds` without targets
+        boxes,labels = self.yb
+        if boxes.shape[1] > self.rows: self.rows = -(-boxes.shape[1] // self.multiple) * self.multiple
+        self.learn.xb = (*self.xb, _pad_rows(boxes, self.rows), _pad_rows(labels, self.rows)) # zero rows are bb_pad's padding
 
 # %% ../nbs/07c_detection.ipynb #32233f92
 class DetectionMAP(Metric):

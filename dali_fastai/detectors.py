@@ -106,11 +106,15 @@ def _raise_empty(boxes:torch.Tensor, bad:torch.Tensor, late:bool=False):
 
 class BoxCheck:
     "torchvision's check that every box has a width and a height. On a GPU the step does not wait for it: the batch's verdict reaches the host through pinned memory and is raised at a later batch or at `check()`, the empty boxes left out of the step meanwhile"
-    def __init__(self): self.pending = []
+    def __init__(self): self.pending,self.replayed = [],None
     def __call__(self, boxes:torch.Tensor, real:torch.Tensor, # `padded_targets`' boxes and real rows
                 )->torch.Tensor: # the real rows to train on: without empty boxes
         bad = real & (boxes[..., 2:] <= boxes[..., :2]).any(-1)
         if boxes.device.type != 'cuda': _raise_empty(boxes, bad); return real
+        if self.replayed is None: self.replayed = torch.zeros((), dtype=torch.bool, device=boxes.device) # made before any capture
+        if torch.cuda.is_current_stream_capturing(): # in a CUDA graph: each replay ORs its verdict in, read at `check()`
+            self.replayed.logical_or_(bad.any())
+            return real & ~bad
         self.check(wait=False)
         flag = torch.empty((), dtype=torch.bool, pin_memory=True).copy_(bad.any(), non_blocking=True)
         done = torch.cuda.Event(); done.record()
@@ -123,6 +127,11 @@ class BoxCheck:
             flag,done,boxes,bad = self.pending.pop(0)
             done.synchronize()
             if flag: self.pending.clear(); _raise_empty(boxes, bad, late=True)
+        if wait and self.replayed is not None and self.replayed.item():
+            self.replayed.zero_()
+            raise ValueError("a training batch replayed from a CUDA graph (FastStep(graph=True)) had a box with no width or height: "
+                             "torchvision's detectors need x1 > x0 and y1 > y0 for every box; drop empty boxes before training "
+                             "(its step left them out)")
 
 class _OneBatchStep:
     "A torchvision one-stage detector's training step for the whole batch: its targets padded and checked once, its losses `batch_losses`'"
@@ -131,7 +140,7 @@ class _OneBatchStep:
     def box_check(self)->BoxCheck:
         if '_box_check' not in self.__dict__: self.__dict__['_box_check'] = BoxCheck()
         return self.__dict__['_box_check']
-    def __getstate__(self): return {k: v for k,v in super().__getstate__().items() if k != '_box_check'} # exported without it
+    def __getstate__(self): return {k: v for k,v in super().__getstate__().items() if k not in ('_box_check', '_weights')} # exported without them
     def train(self, mode:bool=True):
         self.box_check.check() # a training phase ends (or starts): the verdicts still on their way are read
         return super().train(mode)
@@ -273,7 +282,9 @@ class BatchedRetinaNet(_OneBatchStep, RetinaNet):
         gt,onehot = _anchor_targets(gt, labels, matched, head_outputs['cls_logits'])
         cls = torch.where(valid[..., None], sigmoid_focal_loss(head_outputs['cls_logits'], onehot, reduction='none'), 0.).sum((1, 2)) / n_fg
         coder = self.head.regression_head.box_coder
-        weights = to_device_async(torch.tensor(coder.weights, dtype=anchors.dtype), anchors.device) # encode_single copies them each image
+        key = (coder.weights, anchors.dtype, anchors.device) # encode_single copies them each image; a copy in a CUDA graph would read freed memory
+        if getattr(self, '_weights', (None,))[0] != key: self._weights = (key, to_device_async(torch.tensor(coder.weights, dtype=anchors.dtype), anchors.device))
+        weights = self._weights[1]
         # background rows encode an anchor against itself: finite, and masked out
         target = encode_boxes(torch.where(fg[..., None], gt, anchors).flatten(0, 1), anchors.flatten(0, 1), weights).view_as(anchors)
         reg = torch.where(fg[..., None], (head_outputs['bbox_regression'] - target).abs(), 0.).sum((1, 2)) / n_fg

@@ -16,6 +16,7 @@ from typing import Callable
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map
 from fastcore.basics import store_attr
 from fastcore.foundation import L
 from fastai.callback.core import Callback
@@ -122,9 +123,10 @@ def host_losses(rec:Recorder):
 
 # %% ../nbs/07e_faststep.ipynb #135250b6
 class GraphCapture:
-    "The model's training forward and backward replayed as CUDA graphs, for batches of the shape they were captured with"
+    "The model's training forward and backward replayed as CUDA graphs, one for each of a few shapes of its tensor inputs"
+    max_graphs = 4 # shapes captured at most; batches of another shape run uncaptured
     def __init__(self, learn, warn:Callable):
-        self.model,self.warn,self.graphed,self.failed,self.key = learn.model,warn,None,None,None
+        self.model,self.warn,self.graphs,self.failed = learn.model,warn,{},None
         why = self._refusal()
         if why: self._fail(why)
 
@@ -143,18 +145,18 @@ class GraphCapture:
         if not self.failed and 'forward' not in vars(self.model): self.model.forward = self.forward
     def remove(self):
         if vars(self.model).get('forward') == self.forward: del self.model.forward
-    def release(self): self.remove(); self.graphed = None
+    def release(self): self.remove(); self.graphs = {}
 
-    def _capture(self, x:torch.Tensor):
-        "Capture with `x`'s shape; the warm-up passes leave the model's buffers (BatchNorm statistics) as they were"
+    def _capture(self, xs:tuple, key:tuple):
+        "Capture with the shapes of `xs`; the warm-up passes leave the model's buffers (BatchNorm statistics) as they were"
         m = self.model
         saved = [(b, b.detach().clone()) for b in m.buffers()]
         self.remove()
         try:
             with torch.autocast('cuda', dtype=torch.get_autocast_dtype('cuda'), enabled=torch.is_autocast_enabled('cuda'),
                                cache_enabled=False):
-                torch.cuda.make_graphed_callables(m, (x,), allow_unused_input=True)
-            self.graphed,self.key = vars(m)['forward'],(x.shape, x.dtype, x.device)
+                torch.cuda.make_graphed_callables(m, xs, allow_unused_input=True)
+            self.graphs[key] = vars(m)['forward']
         except Exception as e: self._fail(f"capturing the model failed ({type(e).__name__}: {e})")
         finally:
             vars(m).pop('forward', None)
@@ -164,13 +166,15 @@ class GraphCapture:
 
     def forward(self, *args, **kwargs):
         if not self.model.training or not torch.is_grad_enabled(): return self._eager(*args, **kwargs)
-        if (kwargs or len(args) != 1) and not self.failed:
-            self._fail(f"the model takes {len(args)} inputs{' and keywords' if kwargs else ''}, and only a model of one input is captured")
+        if (kwargs or not args or not all(isinstance(a, torch.Tensor) for a in args)) and not self.failed:
+            self._fail("the model takes keywords or inputs that are not tensors, and only tensor inputs are captured")
         if self.failed: return self._eager(*args, **kwargs)
-        x = args[0].as_subclass(torch.Tensor)
-        if self.graphed is None: self._capture(x)
-        if self.failed or (x.shape, x.dtype, x.device) != self.key: return self._eager(*args)
-        return self.graphed(x).clone() # the graph's output is overwritten by the next replay
+        xs = tuple(a.as_subclass(torch.Tensor) for a in args)
+        key = tuple((x.shape, x.dtype, x.device) for x in xs)
+        if key not in self.graphs and len(self.graphs) < self.max_graphs: self._capture(xs, key)
+        graphed = self.graphs.get(key)
+        if self.failed or graphed is None: return self._eager(*args)
+        return tree_map(torch.clone, graphed(*xs)) # the graph's outputs are overwritten by the next replay
 
 # %% ../nbs/07e_faststep.ipynb #282aafca
 def _has_conv(model)->bool: return any(isinstance(m, torch.nn.modules.conv._ConvNd) for m in model.modules())

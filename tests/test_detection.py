@@ -42,11 +42,26 @@ def test_targets_refuse_other_shapes(batch):
     with pytest.raises(ValueError, match='expected boxes'): fastai_to_targets(bx, lb[:, :1], (H, W))
     with pytest.raises(ValueError, match='expected boxes'): fastai_to_targets(bx[..., :2], lb, (H, W))
 
-def test_callback_passes_targets():
-    learn = SimpleNamespace(xb=('x',), yb=('boxes', 'labels'))
+def test_callback_passes_targets(batch):
+    "The model gets the boxes and labels, zero-padded to the most rows seen (a multiple of 8: few shapes for a CUDA graph); the targets stay as they are"
+    x,bx,lb,_,_ = batch
+    learn = SimpleNamespace(xb=(x,), yb=(bx, lb))
     cb = DetectionTargets(); cb.learn = learn
     cb.before_batch()
-    assert learn.xb == ('x', 'boxes', 'labels') and learn.yb == ('boxes', 'labels')
+    assert learn.xb[0] is x and learn.yb == (bx, lb)
+    assert learn.xb[1].shape == (3, 8, 4) and learn.xb[2].shape == (3, 8)
+    assert torch.equal(learn.xb[1][:, :2], bx) and torch.equal(learn.xb[2][:, :2], lb) and not learn.xb[1][:, 2:].any() and not learn.xb[2][:, 2:].any()
+    learn.xb,learn.yb = (x,),(bx[:, :1], lb[:, :1])  # fewer rows: padded to the most seen
+    cb.before_batch()
+    assert learn.xb[1].shape == (3, 8, 4)
+    learn.xb,learn.yb = (x,),(torch.zeros(3, 9, 4), torch.zeros(3, 9, dtype=torch.long))
+    cb.before_batch()
+    assert learn.xb[1].shape == (3, 16, 4) and learn.xb[2].shape == (3, 16)
+    model,x = DetectionAdapter(small_detector(4, (64, 96), fpn_channels=64)),torch.randn(3, 3, 64, 96)  # the batched step's size
+    padded,plain = model(x, _pad8(bx), _pad8(lb)),model(x, bx, lb)  # zero rows change no loss
+    for k in plain['losses']: assert torch.allclose(padded['losses'][k], plain['losses'][k]), k
+
+def _pad8(t): return torch.cat([t, t.new_zeros(t.shape[0], 8 - t.shape[1], *t.shape[2:])], 1)
 
 @pytest.mark.parametrize('arch', ['fcos', 'retinanet'])
 def test_train_step_and_predictions(batch, arch):
@@ -325,6 +340,34 @@ def test_a_detector_step_on_the_gpu_makes_no_host_sync(batch, arch):
     try: detection_loss(model(x, bx, lb)).backward()
     finally: torch.cuda.set_sync_debug_mode(0)
     model.eval()  # the box check's verdicts read: all good
+
+@needs_gpu('a detector captured as a CUDA graph')
+@pytest.mark.parametrize('arch', ['fcos', 'retinanet'])
+def test_a_detector_step_replays_as_a_cuda_graph(batch, arch):
+    """FastStep(graph=True)'s capture of a detector: the replayed step gives the eager step's losses and gradients, a batch
+    with more box rows gets a graph of its own, and an empty box in a replayed batch is named at the next train()/eval()"""
+    from dali_fastai.faststep import GraphCapture
+    _,bx,lb,_,_ = batch
+    torch.manual_seed(0)
+    model = DetectionAdapter(small_detector(4, (64, 96), arch=arch, fpn_channels=64)).cuda().train()
+    x,bx,lb = torch.randn(3, 3, 64, 96, device='cuda'),_pad8(bx).cuda(),_pad8(lb).cuda()
+    def step():
+        model.zero_grad()
+        loss = detection_loss(model(x, bx, lb)); loss.backward()
+        return loss.detach(),{k: p.grad.clone() for k,p in model.named_parameters() if p.grad is not None}
+    eager = step()
+    warned = []
+    capture = GraphCapture(SimpleNamespace(model=model), warned.append); capture.install()
+    step(); graphed = step()  # captured, then replayed
+    assert not warned and len(capture.graphs) == 1
+    assert torch.allclose(graphed[0], eager[0], rtol=1e-4), (graphed[0], eager[0])
+    for k in eager[1]: assert torch.allclose(graphed[1][k], eager[1][k], rtol=1e-3, atol=1e-5), k
+    bx,lb = torch.cat([bx, bx], 1),torch.cat([lb, lb], 1)
+    step(); assert len(capture.graphs) == 2
+    bx[1, 0] = torch.tensor([0.5, 0.5, 0.5, 0.9], device='cuda')  # a box with no width, in a replayed batch
+    step()
+    with pytest.raises(ValueError, match='replayed from a CUDA graph'): model.eval()
+    capture.release()
 
 def test_cached_anchors_follow_the_batch():
     "CachedAnchors gives the anchors torchvision's generator makes, again for the same sizes, anew for another batch or size"

@@ -74,16 +74,16 @@ MUTANTS = [
     # height and width, on images that are not square
     ('detection', "d,(h,w) = pred['detections'],pred['size'].unbind(-1)", "d,(w,h) = pred['detections'],pred['size'].unbind(-1)",
                   'detections decoded x over the width'),
-    ('detection', "x.new_tensor(list(x.shape[-2:]), dtype=torch.float32)", "x.new_tensor(list(x.shape[-2:])[::-1], dtype=torch.float32)",
+    ('detection', "for s in x.shape[-2:]], -1)}", "for s in x.shape[-2:][::-1]], -1)}",
                   "the detector's output size is (h, w)"),
     # a detector's batch stacked as it is only where torchvision's own steps would leave it unchanged
     ('detectors', "h % self.size_divisible == 0 == w % self.size_divisible", "True", 'a batch torchvision would pad is padded'),
-    ('detection', "counts = real.sum(1).tolist()", "counts = sorted(real.sum(1).tolist())", "each image keeps its own boxes"),
+    ('detectors', "counts = real.sum(1).tolist()", "counts = sorted(real.sum(1).tolist())", "each image keeps its own boxes"),
     ('detectors', "(match.to(torch.float32) * (1e8 - areas[:, None]))", "(match.to(torch.float32) * (1e8 + areas[:, None]))",
                   "FCOS: the smallest box wins an anchor"),
     ('detectors', "upper[:, -num_anchors_per_level[-1]:] = float('inf')", "upper[:, -num_anchors_per_level[0]:] = float('inf')",
                   "FCOS: each level its own range of sizes"),
-    ('detectors', ".clamp(min=0).prod(-1)", ".prod(-1)", "GIoU: disjoint boxes share no area"),
+    ('detectors', "b[..., :2])).clamp(min=0))", "b[..., :2])))", "GIoU: disjoint boxes share no area"),
     ('detectors', "bad = real & (boxes[..., 2:] <= boxes[..., :2]).any(-1)", "bad = real & (boxes[..., 2:] < boxes[..., :2]).any(-1)",
                   "a box with no width or height is refused, as torchvision refuses it"),
     ('detectors', "n_fg = fg.sum().clamp(min=1)", "n_fg = fg.sum().clamp(min=64)", "FCOS: losses divided by the foreground count"),
@@ -116,6 +116,13 @@ MUTANTS = [
     # item flips: a coin of probability p for each item
     ('steps', 'dihedral_mat, p=tfm.p)', 'dihedral_mat, p=tfm.p, batch=True)', 'FlipItem, DihedralItem: a coin per item'),
     ('steps', 'dihedral_mat, p=tfm.p)', 'dihedral_mat, p=min(1., 2*tfm.p))', 'FlipItem(p), DihedralItem(p)'),
+    # the detection step without host syncs: padding stays padding, few shapes, the next pipeline built ahead
+    ('detection', "return px * real[..., None],labels,real", "return px,labels,real", "fastai's padding rows become zero boxes"),
+    ('detection', "self.rows = -(-boxes.shape[1] // self.multiple) * self.multiple", "self.rows = boxes.shape[1]",
+                  "box rows padded to a multiple of 8"),
+    ('loader', "if self.next_loader is not None: self.next_loader.prepare()", "pass",
+               "a training epoch builds the validation pipeline in the background"),
+    ('targets', "A,B,C = e*i - f*h,f*g - d*i,d*h - e*g", "A,B,C = e*i - f*h,d*i - f*g,d*h - e*g", "3x3 inverses by cofactors"),
 ]
 
 FAST = ['tests/test_defaults.py', 'tests/test_augment_stats.py']
