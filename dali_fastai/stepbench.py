@@ -16,6 +16,8 @@ from collections.abc import Callable
 from pathlib import Path
 import torch
 import torchvision.models
+from torch.autograd import DeviceType
+from torch.profiler import profile, ProfilerActivity
 from .loader import as_device
 from .data import DaliDataLoaders
 from fastai.callback.fp16 import MixedPrecision, AMPMode
@@ -67,6 +69,15 @@ class PlainLoop:
             self.step(*b); n += len(b[0])
         _sync(self.device)
         return n / (clock() - start)
+    def gpu_ms(self, n_batches:int=8)->float|None:
+        "Milliseconds of GPU work a step (the kernels and copies torch's profiler sees over `n_batches` steps): the step's floor where the host keeps up; None off CUDA"
+        if self.device.type != 'cuda': return None
+        if self.it is None: self.it = _endless(self.dl)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(n_batches): self.step(*next(self.it))
+            _sync(self.device)
+        # the device's own events: a CPU op's device time repeats that of the kernels it launched
+        return sum(e.self_device_time_total for e in prof.events() if e.device_type == DeviceType.CUDA) / 1e3 / n_batches
 
 # %% ../nbs/08e_stepbench.ipynb #96891568
 def syncs_per_batch(learn, n:int=20)->float|None:
@@ -99,7 +110,7 @@ def step_rows(dls, # DataLoaders to train from
               make_learner:Callable, # (dls, cbs) -> a fresh `Learner`
               n_batches:int=30, warmup:int=10, passes:int=3, # as in `loader_throughput`
               clock:Callable=time.perf_counter,
-             )->dict: # row: images per second (medians); 'syncs per batch' and 'host ms per step': row: value
+             )->dict: # row: images per second (medians); 'syncs per batch' and 'host ms per step': row: value; 'gpu ms per step' of the plain loop
     "The loader alone, the plain loop and the three fastai rows for one learner, their passes taken in turn"
     learners = {k: make_learner(dls, cbs()) for k,cbs in FASTAI_ROWS.items()}
     loop = PlainLoop(make_learner(dls, []), dls.train.new()) # its own loader: a DaliDataLoader runs one epoch at a time
@@ -117,6 +128,7 @@ def step_rows(dls, # DataLoaders to train from
     res = {k: statistics.median(v) for k,v in rates.items()}
     res['host ms per step'] = {k: statistics.median(v) for k,v in host.items()}
     res['syncs per batch'] = {k: syncs_per_batch(l) for k,l in learners.items()}
+    res['gpu ms per step'] = loop.gpu_ms()
     alone.close(); alone_dl.close(); loop.dl.close()
     return res
 
@@ -194,13 +206,14 @@ def task_step_bench(task:str, # 'segmentation', 'detection' (FCOS), 'retinanet' 
 
 # %% ../nbs/08e_stepbench.ipynb #152524b9
 def format_steps(res:dict)->str:
-    "One line per model and batch size: images per second of each row, its share of the plain loop, syncs per batch, host ms a step"
+    "One line per model and batch size: images per second of each row, its share of the plain loop, syncs per batch, host ms a step (and the GPU's, under the plain loop)"
     m = res['machine']
     lines = [f"training step, {m['gpu'] or 'CPU'}, {m['date']} (img/s; % of the plain loop; host syncs per batch; host ms a step)"]
     for name,r in res['rows'].items():
         plain,syncs,host = r['plain loop'],r['syncs per batch'],r.get('host ms per step', {})
         ms = lambda k: f" {host[k]:.1f} ms" if k in host else ''
-        cols = [f"loader alone {r['loader alone']:8.0f}"] * ('loader alone' in r) + [f"plain loop {plain:8.0f}{ms('plain loop')}"] + [
+        gpu = f" (GPU {r['gpu ms per step']:.1f} ms)" if r.get('gpu ms per step') is not None else ''
+        cols = [f"loader alone {r['loader alone']:8.0f}"] * ('loader alone' in r) + [f"plain loop {plain:8.0f}{ms('plain loop')}{gpu}"] + [
             f"{k} {r[k]:8.0f} {100*r[k]/plain:4.0f}%" + (f" ({syncs[k]:.2f})" if syncs.get(k) is not None else '') + ms(k) for k in FASTAI_ROWS]
         lines.append(f"{name:<16}" + ' | '.join(cols))
     for arch in {k.split(' bs ')[0] for k in res['rows']}:
