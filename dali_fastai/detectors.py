@@ -106,14 +106,14 @@ def _raise_empty(boxes:torch.Tensor, bad:torch.Tensor, late:bool=False):
 
 class BoxCheck:
     "torchvision's check that every box has a width and a height. On a GPU the step does not wait for it: the batch's verdict reaches the host through pinned memory and is raised at a later batch or at `check()`, the empty boxes left out of the step meanwhile"
-    def __init__(self): self.pending,self.replayed = [],None
+    def __init__(self): self.pending,self.replayed,self.captured = [],None,False
     def __call__(self, boxes:torch.Tensor, real:torch.Tensor, # `padded_targets`' boxes and real rows
                 )->torch.Tensor: # the real rows to train on: without empty boxes
         bad = real & (boxes[..., 2:] <= boxes[..., :2]).any(-1)
         if boxes.device.type != 'cuda': _raise_empty(boxes, bad); return real
         if self.replayed is None: self.replayed = torch.zeros((), dtype=torch.bool, device=boxes.device) # made before any capture
         if torch.cuda.is_current_stream_capturing(): # in a CUDA graph: each replay ORs its verdict in, read at `check()`
-            self.replayed.logical_or_(bad.any())
+            self.replayed.logical_or_(bad.any()); self.captured = True
             return real & ~bad
         self.check(wait=False)
         flag = torch.empty((), dtype=torch.bool, pin_memory=True).copy_(bad.any(), non_blocking=True)
@@ -127,7 +127,7 @@ class BoxCheck:
             flag,done,boxes,bad = self.pending.pop(0)
             done.synchronize()
             if flag: self.pending.clear(); _raise_empty(boxes, bad, late=True)
-        if wait and self.replayed is not None and self.replayed.item():
+        if wait and self.captured and self.replayed.item():
             self.replayed.zero_()
             raise ValueError("a training batch replayed from a CUDA graph (FastStep(graph=True)) had a box with no width or height: "
                              "torchvision's detectors need x1 > x0 and y1 > y0 for every box; drop empty boxes before training "

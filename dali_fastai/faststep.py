@@ -171,7 +171,9 @@ class GraphCapture:
         if self.failed: return self._eager(*args, **kwargs)
         xs = tuple(a.as_subclass(torch.Tensor) for a in args)
         key = tuple((x.shape, x.dtype, x.device) for x in xs)
-        if key not in self.graphs and len(self.graphs) < self.max_graphs: self._capture(xs, key)
+        if key not in self.graphs:
+            if len(self.graphs) < self.max_graphs: self._capture(xs, key)
+            else: self.warn(f"FastStep(graph=True): batches of more than {self.max_graphs} input shapes; those of other shapes train uncaptured")
         graphed = self.graphs.get(key)
         if self.failed or graphed is None: return self._eager(*args)
         return tree_map(torch.clone, graphed(*xs)) # the graph's outputs are overwritten by the next replay
