@@ -140,7 +140,7 @@ class _OneBatchStep:
     def box_check(self)->BoxCheck:
         if '_box_check' not in self.__dict__: self.__dict__['_box_check'] = BoxCheck()
         return self.__dict__['_box_check']
-    def __getstate__(self): return {k: v for k,v in super().__getstate__().items() if k not in ('_box_check', '_weights')} # exported without them
+    def __getstate__(self): return {k: v for k,v in super().__getstate__().items() if k != '_box_check'} # exported without it
     def train(self, mode:bool=True):
         self.box_check.check() # a training phase ends (or starts): the verdicts still on their way are read
         return super().train(mode)
@@ -155,9 +155,8 @@ class _OneBatchStep:
                       boxes:torch.Tensor, labels:torch.Tensor, real:torch.Tensor, # padded as `padded_targets` makes them
                      )->dict: # the training losses
         "The training losses of a batch whose targets are padded already (fastai's box batches are): nothing is split per image"
-        imgs = list(x)
-        if not (self.batched() and isinstance(self.transform, BatchedTransform) and self.transform.unchanged(imgs)):
-            return self(imgs, unpadded_targets(boxes, labels, real)) # torchvision's own steps
+        if not (self.batched() and isinstance(self.transform, BatchedTransform) and self.transform.unchanged(list(x[:1]))): # one stack: one shape
+            return self(list(x), unpadded_targets(boxes, labels, real)) # torchvision's own steps
         return self._losses(ImageList(x, [tuple(x.shape[-2:])]*len(x)), boxes, labels, real)
 
     def _losses(self, images:ImageList, boxes:torch.Tensor, labels:torch.Tensor, real:torch.Tensor)->dict:
@@ -256,6 +255,10 @@ def small_detector(n_classes:int, # classes, `#na#` (label 0) included: `len(dls
 # %% ../nbs/07b_detectors.ipynb #d52e0b02
 class BatchedRetinaNet(_OneBatchStep, RetinaNet):
     "torchvision's RetinaNet whose training step handles the batch at once: its boxes checked, anchors matched and losses summed"
+    def __init__(self, *args, **kwargs): # `RetinaNet`'s
+        super().__init__(*args, **kwargs)
+        # the box coder's weights on the model's device (encode_single copies them for each image; a copy inside a CUDA graph would read freed memory)
+        self.register_buffer('coder_weights', torch.tensor(self.head.regression_head.box_coder.weights), persistent=False)
     def batched(self)->bool: return type(self.proposal_matcher) is Matcher and self.head.regression_head._loss_type == 'l1'
     def batch_losses(self, boxes, labels, real, head_outputs, anchors, num_anchors_per_level):
         return self.losses(boxes, labels, head_outputs, anchors, self.match(boxes, real, anchors))
@@ -281,10 +284,7 @@ class BatchedRetinaNet(_OneBatchStep, RetinaNet):
         n_fg = fg.sum(1).clamp(min=1)
         gt,onehot = _anchor_targets(gt, labels, matched, head_outputs['cls_logits'])
         cls = torch.where(valid[..., None], sigmoid_focal_loss(head_outputs['cls_logits'], onehot, reduction='none'), 0.).sum((1, 2)) / n_fg
-        coder = self.head.regression_head.box_coder
-        key = (coder.weights, anchors.dtype, anchors.device) # encode_single copies them each image; a copy in a CUDA graph would read freed memory
-        if getattr(self, '_weights', (None,))[0] != key: self._weights = (key, to_device_async(torch.tensor(coder.weights, dtype=anchors.dtype), anchors.device))
-        weights = self._weights[1]
+        weights = self.coder_weights.to(anchors.dtype)
         # background rows encode an anchor against itself: finite, and masked out
         target = encode_boxes(torch.where(fg[..., None], gt, anchors).flatten(0, 1), anchors.flatten(0, 1), weights).view_as(anchors)
         reg = torch.where(fg[..., None], (head_outputs['bbox_regression'] - target).abs(), 0.).sum((1, 2)) / n_fg

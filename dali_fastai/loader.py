@@ -308,10 +308,11 @@ class DaliDataLoader:
         # host: the targets are computed there (a few small tensors), then copied, so that nothing waits for the GPU (on it,
         # a batch's boxes need reads of the device: how many each image keeps)
         geo = dict(window=d['window'], matrix=d['matrix'], item_hw=self.recipe.item_size, out_hw=self.recipe.size)
-        on = to_device_async(idx, x.device)
         sides = {id(t): {n: d[f'side{k}_{n}'] for n in t.side_names} for k,t in enumerate(self._sides)}
-        return (x, *[t.batch(on, geo, sides[id(t)]) if id(t) in sides else to_device_async(t.batch(idx, geo), x.device)
-                     if getattr(t, 'geometric', False) else t.batch(on) for t in self.items.targets])
+        on_host = lambda t: getattr(t, 'geometric', False) and id(t) not in sides
+        on = None if all(map(on_host, self.items.targets)) else to_device_async(idx, x.device) # for the others (masks, item labels)
+        return (x, *[to_device_async(t.batch(idx, geo), x.device) if on_host(t) else t.batch(on, geo, sides[id(t)]) if id(t) in sides
+                     else t.batch(on) for t in self.items.targets])
 
     def one_batch(self):
         "A batch from a short-lived copy of this loader, so a running or later epoch is not disturbed"

@@ -369,6 +369,14 @@ def test_a_detector_step_replays_as_a_cuda_graph(batch, arch):
     with pytest.raises(ValueError, match='replayed from a CUDA graph'): model.eval()
     capture.release()
 
+def test_retinanet_coder_weights_follow_the_model_and_stay_out_of_checkpoints():
+    "BatchedRetinaNet keeps its box coder's weights as a buffer: moved with the model, not saved, pickled without trouble"
+    import pickle
+    model = small_detector(5, 128, 'retinanet', fpn_channels=32)
+    assert model.coder_weights.tolist() == list(model.head.regression_head.box_coder.weights)
+    assert 'coder_weights' not in model.state_dict()
+    assert pickle.loads(pickle.dumps(model)).coder_weights.tolist() == model.coder_weights.tolist()
+
 def test_cached_anchors_follow_the_batch():
     "CachedAnchors gives the anchors torchvision's generator makes, again for the same sizes, anew for another batch or size"
     from torchvision.models.detection.anchor_utils import AnchorGenerator

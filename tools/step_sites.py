@@ -15,9 +15,8 @@ import argparse, collections, traceback, warnings
 
 def main(task:str='detection', batches:int=10):
     import torch
-    from torch.autograd import DeviceType
     from torch.profiler import profile, ProfilerActivity
-    from dali_fastai.stepbench import _task_data
+    from dali_fastai.stepbench import _task_data, device_ms
     from dali_fastai.data import DaliDataLoaders
     from dali_fastai.measure import Throughput
     from dali_fastai.faststep import FastStep
@@ -40,7 +39,7 @@ def main(task:str='detection', batches:int=10):
     with learn.no_bar(), learn.no_logging():
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             learn.fit(1, cbs=Throughput(n_batches=batches, warmup=2))
-    gpu = sum(e.self_device_time_total for e in prof.events() if e.device_type == DeviceType.CUDA) / 1e3
+    gpu = device_ms(prof)
     print(f"GPU time: {gpu:.1f} ms over {batches + 2} batches, {gpu/(batches + 2):.1f} ms a batch")
     print(prof.key_averages().table(sort_by='self_device_time_total', row_limit=12, max_name_column_width=60))
 
