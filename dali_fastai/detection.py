@@ -152,19 +152,35 @@ class DetectionTargets(Callback):
 class DetectionMAP(Metric):
     "COCO mean average precision of a detector's validation predictions (torchmetrics' `MeanAveragePrecision`)"
     def __init__(self, key:str='map', # the number to report: 'map', 'map_50', 'map_75', 'map_small', 'mar_100'...
-                 **kwargs, # passed to `MeanAveragePrecision`
+                 of:'DetectionMAP|None'=None, # another `DetectionMAP` of the same learner: report `key` of its batches and evaluation
+                 **kwargs, # passed to `MeanAveragePrecision` (not with `of`: that one's are used)
                 ):
+        self.key,self.of,self.mean_ap,self._numbers = key,of,None,None
+        if of is not None:
+            if kwargs: raise ValueError(f"DetectionMAP({key!r}, of=...) reports the other metric's evaluation, so it takes no "
+                                        f"MeanAveragePrecision arguments ({', '.join(kwargs)}): give them to that metric")
+            return
         MeanAveragePrecision = _needs('torchmetrics.detection', 'DetectionMAP', 'detection').MeanAveragePrecision
-        self.key,self.mean_ap = key,MeanAveragePrecision(box_format='xyxy', iou_type='bbox', **kwargs)
-    def reset(self): self.mean_ap.reset()
+        self.mean_ap = MeanAveragePrecision(box_format='xyxy', iou_type='bbox', **kwargs)
+    def reset(self):
+        if self.of is None: self.mean_ap.reset(); self._numbers = None
     def accumulate(self, learn):
+        if self.of is not None: return # the other metric accumulates the batch
         targets = fastai_to_targets(*learn.yb, learn.xb[0].shape[-2:])
         cpu = lambda ds: [{k: v.detach().cpu() for k,v in d.items()} for d in ds]
         self.mean_ap.update(cpu(unpadded(learn.pred['detections'])), cpu(targets))
+        self._numbers = None
+    def numbers(self)->dict|None:
+        "All of COCO's numbers over the batches accumulated, evaluated once for every metric that reports one; None over no batch"
+        if self.of is not None: return self.of.numbers()
+        if not self.mean_ap.update_called: return None
+        if self._numbers is None: self._numbers = self.mean_ap.compute()
+        return self._numbers
     @property
     def value(self)->float|None:
         "COCO's number `key` over the batches accumulated; None when none was (`predict`, `show_results`), as fastai's `AvgMetric`"
-        return self.mean_ap.compute()[self.key].item() if self.mean_ap.update_called else None
+        n = self.numbers()
+        return None if n is None else n[self.key].item()
     @property
     def name(self)->str: return self.key
 
@@ -192,11 +208,11 @@ class DetectionLearner(Learner):
 def detection_learner(dls, # loaders of fastai's (image, `TensorBBox`, `TensorMultiCategory`) batches
                       model:nn.Module, # a torchvision detector (see `small_detector`)
                       valid_loss:bool=True, # also compute the losses in validation
-                      metrics:list|None=None, # default: `DetectionMAP()` and `DetectionMAP('map_50')`
+                      metrics:list|None=None, # default: `DetectionMAP()` and `DetectionMAP('map_50')` of its evaluation
                       cbs:list|None=None, # more callbacks
                       **kwargs, # passed to `Learner`
                      )->DetectionLearner:
     "A `Learner` training a torchvision detector on fastai's box batches, with its own losses and COCO mAP"
-    metrics = [DetectionMAP(), DetectionMAP('map_50')] if metrics is None else metrics
+    if metrics is None: metrics = [m := DetectionMAP(), DetectionMAP('map_50', of=m)]
     return DetectionLearner(dls, DetectionAdapter(model, valid_loss), loss_func=DetectionLoss(), metrics=metrics,
                             cbs=[DetectionTargets(), *(cbs or [])], **kwargs)

@@ -224,13 +224,18 @@ class BatchedFCOS(_OneBatchStep, FCOS):
 
 # %% ../nbs/07b_detectors.ipynb #e6a1c001
 class CachedAnchors(AnchorGenerator):
-    "torchvision's `AnchorGenerator` that keeps the last batch's anchors and gives them again to a batch of the same sizes"
+    "torchvision's `AnchorGenerator` that keeps the anchors it made for each batch size and gives them again to a batch of the same sizes"
+    max_kept = 8 # batch sizes whose anchors are kept (never dropped: a CUDA graph may read them); others' are made each batch
     def forward(self, image_list:ImageList, feature_maps:list)->list:
         key = (tuple(map(tuple, image_list.image_sizes)), tuple(image_list.tensors.shape[-2:]),
                tuple(tuple(f.shape[-2:]) for f in feature_maps), feature_maps[0].dtype, feature_maps[0].device)
-        if getattr(self, '_last', (None,))[0] != key: self._last = (key, super().forward(image_list, feature_maps))
-        return list(self._last[1])
-    def __getstate__(self): return {k: v for k,v in self.__dict__.items() if k != '_last'} # exported without them
+        kept = self.__dict__.setdefault('_kept', {})
+        anchors = kept.get(key)
+        if anchors is None:
+            anchors = super().forward(image_list, feature_maps)
+            if len(kept) < self.max_kept: kept[key] = anchors
+        return list(anchors)
+    def __getstate__(self): return {k: v for k,v in self.__dict__.items() if k != '_kept'} # exported without them
 
 # %% ../nbs/07b_detectors.ipynb #cd46006d
 def small_detector(n_classes:int, # classes, `#na#` (label 0) included: `len(dls.vocab)`

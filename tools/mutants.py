@@ -123,6 +123,11 @@ MUTANTS = [
     ('loader', "if self.next_loader is not None: self.next_loader.prepare()", "pass",
                "a training epoch builds the validation pipeline in the background"),
     ('targets', "A,B,C = e*i - f*h,f*g - d*i,d*h - e*g", "A,B,C = e*i - f*h,d*i - f*g,d*h - e*g", "3x3 inverses by cofactors"),
+    # a captured step's anchors outlive validation batches of other sizes; one COCO evaluation for both mAP columns
+    ('detectors', "if len(kept) < self.max_kept: kept[key] = anchors", "kept.clear(); kept[key] = anchors",
+                  "anchors a CUDA graph reads are never dropped"),
+    ('detection', "if self._numbers is None: self._numbers = self.mean_ap.compute()", "self._numbers = self.mean_ap.compute()",
+                  "detection_learner's mAP columns share one evaluation"),
 ]
 
 FAST = ['tests/test_defaults.py', 'tests/test_augment_stats.py']
