@@ -1,4 +1,4 @@
-"""torchvision's FCOS and RetinaNet with their training step made for the whole batch: torchvision's losses and gradients, without per-image work or waits for the GPU
+"""torchvision's FCOS and RetinaNet with their training step made for the whole batch (torchvision's losses and gradients, without per-image work or waits for the GPU) and their validation in one forward (the losses and torchvision's detections)
 
 Docs: https://dali-fastai.github.io/dali_fastai/detectors.html.md"""
 
@@ -6,9 +6,10 @@ Docs: https://dali-fastai.github.io/dali_fastai/detectors.html.md"""
 
 # %% auto #0
 __all__ = ['BatchedTransform', 'padded_targets', 'unpadded_targets', 'BoxCheck', 'BatchedFCOS', 'CachedAnchors', 'small_detector',
-           'BatchedRetinaNet']
+           'BatchedRetinaNet', 'padded_detections', 'batch_detections']
 
 # %% ../nbs/07b_detectors.ipynb #f1a00003
+from contextlib import contextmanager
 from functools import partial
 import torch
 from torch import nn
@@ -20,7 +21,7 @@ from torchvision.models.detection.backbone_utils import BackboneWithFPN
 from torchvision.models.detection.image_list import ImageList
 from torchvision.models.detection.retinanet import RetinaNetHead
 from torchvision.models.detection.transform import GeneralizedRCNNTransform
-from torchvision.ops import box_iou, sigmoid_focal_loss
+from torchvision.ops import box_iou, clip_boxes_to_image, nms, sigmoid_focal_loss
 from torchvision.ops.feature_pyramid_network import LastLevelP6P7
 from .epoch import to_device_async
 
@@ -134,7 +135,7 @@ class BoxCheck:
                              "(its step left them out)")
 
 class _OneBatchStep:
-    "A torchvision one-stage detector's training step for the whole batch: its targets padded and checked once, its losses `batch_losses`'"
+    "A torchvision one-stage detector's training step for the whole batch (its targets padded and checked once, its losses `batch_losses`'), and its validation step in one forward (`padded_eval`)"
     def batched(self)->bool: return True # False: torchvision's own step (a matcher or loss `batch_losses` does not know)
     @property
     def box_check(self)->BoxCheck:
@@ -151,20 +152,48 @@ class _OneBatchStep:
         images,targets = self.transform(images, targets)
         return self._losses(images, *padded_targets(targets))
 
+    def _stacks(self, x:torch.Tensor)->bool:
+        "Does the batched step take the stacked batch `x` as it is? (one stack: one shape, checked on one image)"
+        return self.batched() and isinstance(self.transform, BatchedTransform) and self.transform.unchanged(list(x[:1]))
+
     def padded_losses(self, x:torch.Tensor, # the batch's images [N, 3, H, W]
                       boxes:torch.Tensor, labels:torch.Tensor, real:torch.Tensor, # padded as `padded_targets` makes them
                      )->dict: # the training losses
         "The training losses of a batch whose targets are padded already (fastai's box batches are): nothing is split per image"
-        if not (self.batched() and isinstance(self.transform, BatchedTransform) and self.transform.unchanged(list(x[:1]))): # one stack: one shape
-            return self(list(x), unpadded_targets(boxes, labels, real)) # torchvision's own steps
-        return self._losses(ImageList(x, [tuple(x.shape[-2:])]*len(x)), boxes, labels, real)
+        if not self._stacks(x): return self(list(x), unpadded_targets(boxes, labels, real)) # torchvision's own steps
+        return self._losses(_image_list(x), boxes, labels, real)
 
-    def _losses(self, images:ImageList, boxes:torch.Tensor, labels:torch.Tensor, real:torch.Tensor)->dict:
-        real = self.box_check(boxes, real)
+    def padded_eval(self, x:torch.Tensor, # the batch's images [N, 3, H, W]
+                    boxes:torch.Tensor|None=None, labels:torch.Tensor|None=None, real:torch.Tensor|None=None, # padded targets, for the losses
+                   )->tuple: # the losses ({} without targets) and the detections, padded as `padded_detections` pads torchvision's
+        "A validation batch's losses and torchvision's detections, from one forward of the backbone and head (in evaluation mode)"
+        if not self._stacks(x): return self._eval_per_image(x, boxes, labels, real)
+        images = _image_list(x)
+        outputs = self._outputs(images)
+        losses = {} if boxes is None else self._losses(images, boxes, labels, real, outputs)
+        return losses,batch_detections(self, *outputs, images.image_sizes[0])
+
+    def _eval_per_image(self, x, boxes, labels, real)->tuple:
+        "torchvision's own steps: a training forward for the losses, its normalization layers in evaluation mode, then an evaluation forward"
+        losses = {}
+        if boxes is not None:
+            with _loss_mode(self): losses = self.padded_losses(x, boxes, labels, real)
+        return losses,padded_detections(self(list(x)), self.detections_per_img)
+
+    def _outputs(self, images:ImageList)->tuple: # the head's outputs [N, A, ...], the anchors [N, A, 4] and the locations of each level
+        "The batch's one forward of the backbone and head"
         features = self.backbone(images.tensors)
         features = [features] if isinstance(features, torch.Tensor) else list(features.values())
         anchors = torch.stack(self.anchor_generator(images, features)) # every image of a batch has the same anchors
-        return self.batch_losses(boxes, labels, real, self.head(features), anchors, [f.size(2)*f.size(3) for f in features])
+        return self.head(features),anchors,[f.size(2)*f.size(3) for f in features]
+
+    def _losses(self, images:ImageList, boxes:torch.Tensor, labels:torch.Tensor, real:torch.Tensor, outputs:tuple|None=None)->dict:
+        "The padded targets' losses: their boxes checked, then the head's `outputs` (of `images`, computed here if not given) scored"
+        real = self.box_check(boxes, real)
+        if outputs is None: outputs = self._outputs(images)
+        return self.batch_losses(boxes, labels, real, *outputs)
+
+def _image_list(x:torch.Tensor)->ImageList: return ImageList(x, [tuple(x.shape[-2:])]*len(x)) # a stacked batch as it is
 
 def _anchor_targets(gt:torch.Tensor, labels:torch.Tensor, # `padded_targets`' boxes [N, M, 4] and labels [N, M]
                     matched:torch.Tensor, # [N, A]: each anchor's box, negative for none
@@ -180,6 +209,10 @@ class BatchedFCOS(_OneBatchStep, FCOS):
     "torchvision's FCOS whose training step handles the batch at once: its boxes checked, anchor points assigned and losses summed"
     def batch_losses(self, boxes, labels, real, head_outputs, anchors, num_anchors_per_level):
         return self.losses(boxes, labels, head_outputs, anchors, self.match(boxes, anchors, num_anchors_per_level))
+    def detection_scores(self, head_outputs:dict)->torch.Tensor: # [N, A, classes]
+        "`FCOS.postprocess_detections`' scores: the square root of the class probability times the centre-ness"
+        return torch.sqrt(torch.sigmoid(head_outputs['cls_logits']) * torch.sigmoid(head_outputs['bbox_ctrness']))
+    def decode_boxes(self, rel_codes:torch.Tensor, anchors:torch.Tensor)->torch.Tensor: return self.box_coder.decode(rel_codes, anchors) # [R, 4] each
 
     def match(self, gt:torch.Tensor, # [N, M, 4]: each image's boxes, ltrb pixels, padded with zero boxes
               anchors:torch.Tensor, # [N, A, 4], the same for every image
@@ -267,6 +300,8 @@ class BatchedRetinaNet(_OneBatchStep, RetinaNet):
     def batched(self)->bool: return type(self.proposal_matcher) is Matcher and self.head.regression_head._loss_type == 'l1'
     def batch_losses(self, boxes, labels, real, head_outputs, anchors, num_anchors_per_level):
         return self.losses(boxes, labels, head_outputs, anchors, self.match(boxes, real, anchors))
+    def detection_scores(self, head_outputs:dict)->torch.Tensor: return torch.sigmoid(head_outputs['cls_logits']) # [N, A, classes]
+    def decode_boxes(self, rel_codes:torch.Tensor, anchors:torch.Tensor)->torch.Tensor: return self.box_coder.decode_single(rel_codes, anchors) # [R, 4] each
 
     def match(self, gt:torch.Tensor, # [N, M, 4]: each image's boxes, ltrb pixels, padded
               real:torch.Tensor, # [N, M]: which rows are boxes
@@ -294,3 +329,82 @@ class BatchedRetinaNet(_OneBatchStep, RetinaNet):
         target = encode_boxes(torch.where(fg[..., None], gt, anchors).flatten(0, 1), anchors.flatten(0, 1), weights).view_as(anchors)
         reg = torch.where(fg[..., None], (head_outputs['bbox_regression'] - target).abs(), 0.).sum((1, 2)) / n_fg
         return {'classification': cls.mean(), 'bbox_regression': reg.mean()}
+
+# %% ../nbs/07b_detectors.ipynb #234a566b
+@contextmanager
+def _loss_mode(model:nn.Module):
+    "Let `model` compute its training losses with its normalization and dropout layers kept in evaluation mode"
+    keep = (nn.modules.batchnorm._BatchNorm, nn.modules.dropout._DropoutNd)
+    was = {m: m.training for m in model.modules()}
+    try:
+        for m in model.modules(): m.training = not isinstance(m, keep)
+        yield model
+    finally:
+        for m,t in was.items(): m.training = t
+
+def padded_detections(dets:list, # torchvision's detections: per image, `boxes` [n, 4], `labels` [n], `scores` [n]
+                      k:int, # rows per image (the detector's `detections_per_img`)
+                     )->dict: # `boxes` [bs, k, 4], `labels` [bs, k], `scores` [bs, k]: zeros past each image's own
+    "torchvision's detections as tensors of one shape, which fastai's `get_preds` can gather batch after batch"
+    res = {}
+    for key,shape in (('boxes', (4,)), ('labels', ()), ('scores', ())):
+        rows = [d[key][:k] for d in dets]
+        res[key] = out = torch.zeros(len(rows), k, *shape, dtype=rows[0].dtype if rows else torch.float32,
+                                     device=rows[0].device if rows else None)
+        for i,r in enumerate(rows): out[i, :len(r)] = r
+    return res
+
+# %% ../nbs/07b_detectors.ipynb #d0d13f9e
+def _candidates(scores:torch.Tensor, # [N, A, classes]: each anchor's class scores
+                per_level:list, # anchors of each pyramid level
+                k:int, # `topk_candidates`: the most candidates a level gives an image
+               )->tuple: # scores [N, K] and their places in `scores[i].flatten()` [N, K], each level's best first
+    "Each image's best `k` (anchor, class) scores in each level, for every image at once (`postprocess_detections`' candidates are those above `score_thresh`)"
+    vals,idxs,first = [],[],0
+    for s in scores.split(per_level, 1):
+        s = s.flatten(1)
+        v,i = s.topk(min(k, s.shape[1]), dim=1)
+        vals.append(v); idxs.append(i + first); first += s.shape[1]
+    return torch.cat(vals, 1),torch.cat(idxs, 1)
+
+def _nms(boxes:torch.Tensor, scores:torch.Tensor, labels:torch.Tensor, img:torch.Tensor, # [R, 4], [R], [R], [R]: the batch's candidates
+         size:tuple, # (height, width) of the images, to which the boxes are clipped
+         thresh:float, # `nms_thresh`
+        )->torch.Tensor: # the rows kept, by decreasing score
+    "NMS of each image and class apart, in one call: each box moved right by its label and down by its image, by more than the image's side each time"
+    h,w = size
+    shift = torch.stack([labels*(w + 1), img*(h + 1)], 1).repeat(1, 2)
+    return nms(boxes.float() + shift, scores.float(), thresh)
+
+def _first_rows(img:torch.Tensor, # [R]: each row's image, the rows by decreasing score
+                rows:dict, # name -> [R, ...]
+                n:int, # images
+                k:int, # rows each image keeps (`detections_per_img`)
+               )->dict: # name -> [n, k, ...]: each image's first k rows, zeros after
+    "Each image's first `k` rows, padded with zeros as `padded_detections` pads them"
+    img,order = img.sort(stable=True) # each image's rows together, still by decreasing score
+    rank = torch.arange(len(img), device=img.device) - torch.searchsorted(img, torch.arange(n, device=img.device))[img]
+    rank = rank.clamp(max=k) # rows past the k-th go to a column dropped below
+    def pad(v):
+        res = v.new_zeros(n, k + 1, *v.shape[1:])
+        res[img, rank] = v[order]
+        return res[:, :k]
+    return {name: pad(v) for name,v in rows.items()}
+
+def batch_detections(model:nn.Module, # a `BatchedFCOS` or `BatchedRetinaNet`: its `score_thresh`, `topk_candidates`, `nms_thresh`, `detections_per_img`
+                     head_outputs:dict, # the head's outputs for the batch, [N, A, ...] each
+                     anchors:torch.Tensor, # [N, A, 4]
+                     num_anchors_per_level:list, # locations of each pyramid level
+                     size:tuple, # (height, width) of the images, as the model sees them
+                    )->dict: # `boxes` [N, k, 4], `labels` [N, k], `scores` [N, k], as `padded_detections` pads torchvision's; k: `detections_per_img`
+    "torchvision's `postprocess_detections` for the whole batch: each level's candidates, their boxes decoded and clipped, NMS, each image's best"
+    scores = model.detection_scores(head_outputs) # [N, A, classes]
+    n,a,c = scores.shape
+    per_level = [a // sum(num_anchors_per_level) * m for m in num_anchors_per_level] # RetinaNet: several anchors a location
+    score,idx = _candidates(scores, per_level, model.topk_candidates)
+    img,col = (score > model.score_thresh).nonzero().unbind(1) # read by the host: how many are above the threshold
+    score,idx = score[img, col],idx[img, col]
+    anchor,label = idx.div(c, rounding_mode='floor'),idx % c
+    boxes = clip_boxes_to_image(model.decode_boxes(head_outputs['bbox_regression'][img, anchor], anchors[img, anchor]), size)
+    kept = _nms(boxes, score, label, img, size, model.nms_thresh)
+    return _first_rows(img[kept], {'boxes': boxes[kept], 'labels': label[kept], 'scores': score[kept]}, n, model.detections_per_img)

@@ -1,5 +1,6 @@
 "`dali_fastai.detection` and `dali_fastai.detectors` on CPU: fastai's padded batches to torchvision targets, the batched detectors against torchvision's, a training step, predictions, mAP"
 import math, sys, warnings
+from contextlib import contextmanager
 from types import SimpleNamespace
 import matplotlib.pyplot as plt
 import pytest
@@ -437,3 +438,130 @@ def test_cached_anchors_are_never_dropped():
     images,feats = anchors(gen.max_kept + 2)  # a size past the kept ones: the right anchors, made each time
     got,again = gen(images, feats),gen(images, feats)
     assert all(torch.equal(a, b) and a is not b for a,b in zip(got, again))
+
+
+# validation: one forward of the backbone and head for the losses and the detections (`padded_eval`, `batch_detections`)
+
+@contextmanager
+def backbone_calls(model):
+    "How many times `model`'s backbone runs inside the block"
+    calls = []
+    hook = model.backbone.register_forward_hook(lambda *_: calls.append(1))
+    try: yield calls
+    finally: hook.remove()
+
+def same_detections(ours, theirs):
+    "Each image's padded detections are torchvision's: its scores in order, its boxes and labels (in any order among equal scores)"
+    for i,t in enumerate(theirs):
+        n = len(t['scores'])
+        assert int((ours['scores'][i] > 0).sum()) == n, (i, n)
+        assert torch.allclose(ours['scores'][i, :n], t['scores'], atol=1e-6), i
+        for s in t['scores'].unique():
+            m = (t['scores'] == s).nonzero()[:, 0]  # rows of one score
+            rows = lambda b,l: sorted(zip(l[m].tolist(), b[m].round(decimals=2).tolist(), b[m].tolist()))
+            a,b = rows(ours['boxes'][i, :n], ours['labels'][i, :n]),rows(t['boxes'], t['labels'])
+            assert [r[0] for r in a] == [r[0] for r in b], i
+            assert torch.allclose(torch.tensor([r[2] for r in a]), torch.tensor([r[2] for r in b]), atol=1e-4), i
+
+EVAL_CASES = {'many': dict(score_thresh=0.), 'cut at 3': dict(score_thresh=0., detections_per_img=3),
+              'few candidates': dict(score_thresh=0., topk_candidates=5), 'none': dict(score_thresh=1.)}
+
+@pytest.mark.parametrize('arch', ['fcos', 'retinanet'])
+@pytest.mark.parametrize('case', list(EVAL_CASES))
+def test_padded_eval_is_the_losses_and_torchvision_s_detections(arch, case):
+    """One backbone forward gives `padded_losses`' losses (normalization layers in evaluation mode) and torchvision's
+    detections image by image: many candidates, detections_per_img cutting, few candidates a level, none above the threshold"""
+    from dali_fastai.detectors import _loss_mode
+    torch.manual_seed(0)
+    model = small_detector(5, (64, 96), arch, fpn_channels=32, **EVAL_CASES[case]).eval()
+    x,targets = torch.randn(6, 3, 64, 96),padded_targets(scene([3, 0, 2, 1, 4, 2], size=64))
+    with torch.no_grad():
+        with backbone_calls(model) as calls: losses,dets = model.padded_eval(x, *targets)
+        with _loss_mode(model): want = model.padded_losses(x, *targets)
+        theirs = model(list(x))
+    assert len(calls) == 1 and not model.training
+    assert losses.keys() == want.keys()
+    for k in want: assert torch.allclose(losses[k], want[k], rtol=1e-5, atol=1e-6), k
+    assert {k: v.shape for k,v in dets.items()} == {'boxes': (6, model.detections_per_img, 4), 'labels': (6, model.detections_per_img),
+                                                    'scores': (6, model.detections_per_img)}
+    same_detections(dets, theirs)
+    counts = [len(t['scores']) for t in theirs]
+    assert counts == {'many': [model.detections_per_img]*6, 'cut at 3': [3]*6, 'few candidates': counts, 'none': [0]*6}[case]
+    if case == 'few candidates': assert 0 < min(counts) and max(counts) <= 5*5  # 5 levels, 5 candidates each
+
+@pytest.mark.parametrize('arch', ['fcos', 'retinanet'])
+def test_batch_detections_are_torchvision_s_of_the_same_outputs(arch):
+    "Scores drawn so that many pass: an image with none above the threshold, levels cut to topk_candidates, images cut to detections_per_img"
+    from torchvision.models.detection.image_list import ImageList
+    from dali_fastai.detectors import batch_detections
+    torch.manual_seed(1)
+    model = small_detector(5, (64, 96), arch, fpn_channels=32, score_thresh=0.3, topk_candidates=40, detections_per_img=25).eval()
+    with torch.no_grad(): head_outputs,anchors,levels = model._outputs(ImageList(torch.randn(5, 3, 64, 96), [(64, 96)]*5))
+    head_outputs['cls_logits'] = torch.randn_like(head_outputs['cls_logits']) * 2
+    head_outputs['cls_logits'][2] = -10.  # no score above the threshold
+    per_level = [anchors.shape[1] // sum(levels) * m for m in levels]
+    split = {k: list(v.split(per_level, 1)) for k,v in head_outputs.items()}
+    theirs = model.postprocess_detections(split, [list(a.split(per_level)) for a in anchors], [(64, 96)]*5)
+    same_detections(batch_detections(model, head_outputs, anchors, levels, (64, 96)), theirs)
+    assert [len(t['scores']) for t in theirs] == [25, 25, 0, 25, 25]
+
+def test_boxes_of_other_images_or_classes_never_suppress_each_other():
+    "One box, copied to each image and each class: NMS over the batch keeps every copy"
+    from dali_fastai.detectors import _nms
+    boxes = torch.tensor([[0., 0., 96., 64.]]).repeat(6, 1)
+    img,labels = torch.tensor([0, 0, 1, 1, 2, 2]),torch.tensor([1, 2, 1, 2, 1, 2])
+    assert sorted(_nms(boxes, torch.rand(6), labels, img, (64, 96), 0.5).tolist()) == list(range(6))
+    assert len(_nms(boxes, torch.rand(6), labels*0, img*0, (64, 96), 0.5)) == 1  # the same image and class: one kept
+
+@pytest.mark.parametrize('arch', ['fcos', 'retinanet'])
+def test_adapter_validates_with_one_backbone_forward(batch, arch):
+    """DetectionAdapter in validation: one backbone forward for the losses and the detections (two before `padded_eval`),
+    the detections torchvision's evaluation's and the losses its training step's with normalization layers in evaluation mode"""
+    from dali_fastai.detectors import _loss_mode
+    _,bx,lb,_,_ = batch
+    torch.manual_seed(0)
+    model = DetectionAdapter(small_detector(4, (64, 96), arch, fpn_channels=32, score_thresh=0.)).eval()
+    x = torch.randn(3, 3, 64, 96)
+    with torch.no_grad():
+        with backbone_calls(model.model) as calls: out = model(x, _pad8(bx), _pad8(lb))
+        assert len(calls) == 1
+        with _loss_mode(model.model): want = model._losses(x, bx, lb)
+        theirs = model.model(list(x))
+        model.valid_loss = False
+        with backbone_calls(model.model) as calls: no_loss = model(x, bx, lb)
+    assert len(calls) == 1 and no_loss['losses'] == {}
+    for k in want: assert out['losses'][k].shape == (1,) and torch.allclose(out['losses'][k], want[k].reshape(1), rtol=1e-5, atol=1e-6), k
+    same_detections(out['detections'], theirs); same_detections(no_loss['detections'], theirs)
+
+@pytest.mark.parametrize('kind', ['resized batch', 'torchvision detector'])
+def test_adapter_validation_falls_back_to_torchvision_s_steps(batch, kind):
+    """A batch the detector's transform resizes (96 px for a 128 px detector), or a detector without `padded_eval`: the
+    training forward for the losses, then torchvision's evaluation forward"""
+    from dali_fastai.detectors import _loss_mode
+    _,bx,lb,_,_ = batch
+    torch.manual_seed(0)
+    model = small_detector(5, 128, 'fcos', fpn_channels=32, score_thresh=0.)
+    if kind == 'torchvision detector': model = torchvision_twin(model); model.score_thresh = 0.
+    adapter,x = DetectionAdapter(model).eval(),torch.randn(3, 3, 96, 96)
+    with torch.no_grad():
+        with backbone_calls(model) as calls: out = adapter(x, bx, lb)
+        with _loss_mode(model): want = adapter._losses(x, bx, lb)
+        theirs = model(list(x))
+    assert len(calls) == 2 and hasattr(model, 'padded_eval') == (kind == 'resized batch')
+    for k in want: assert torch.allclose(out['losses'][k], want[k].reshape(1), rtol=1e-5, atol=1e-6), k
+    same_detections(out['detections'], theirs)
+    assert not any(m.training for m in adapter.modules())
+
+@needs_gpu('the batched validation step on the GPU')
+@pytest.mark.parametrize('arch', ['fcos', 'retinanet'])
+def test_padded_eval_on_the_gpu_is_torchvision_s(arch):
+    "On the GPU too, for a batch of 64: torchvision's detections image by image, from one forward"
+    torch.manual_seed(0)
+    model = small_detector(11, 128, arch, fpn_channels=64, score_thresh=0.05 if arch == 'fcos' else 0.01).cuda().eval()
+    x = torch.randn(64, 3, 128, 128, device='cuda')
+    targets = padded_targets([{k: v.cuda() for k,v in t.items()} for t in scene([3, 0, 2, 1]*16)])
+    with torch.no_grad():
+        with backbone_calls(model) as calls: losses,dets = model.padded_eval(x, *targets)
+        theirs = model(list(x))
+    assert len(calls) == 1 and sum(len(t['scores']) for t in theirs) > 64*10
+    same_detections({k: v.cpu() for k,v in dets.items()}, [{k: v.cpu() for k,v in t.items()} for t in theirs])

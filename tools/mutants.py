@@ -128,6 +128,14 @@ MUTANTS = [
                   "anchors a CUDA graph reads are never dropped"),
     ('detection', "if self._numbers is None: self._numbers = self.mean_ap.compute()", "self._numbers = self.mean_ap.compute()",
                   "detection_learner's mAP columns share one evaluation"),
+    # validation in one forward of the backbone and head, with torchvision's detections for every image
+    ('detection', "if hasattr(self.model, 'padded_eval'):", "if False:", "a batched detector's validation runs its backbone once"),
+    ('detectors', "v,i = s.topk(min(k, s.shape[1]), dim=1)", "v,i = s.topk(min(2*k, s.shape[1]), dim=1)",
+                  "each level gives an image at most topk_candidates"),
+    ('detectors', "shift = torch.stack([labels*(w + 1), img*(h + 1)], 1).repeat(1, 2)",
+                  "shift = torch.stack([labels*(w + 1), img*0], 1).repeat(1, 2)", "NMS never suppresses a box of another image"),
+    ('detectors', "rank = torch.arange(len(img), device=img.device) - torch.searchsorted(img, torch.arange(n, device=img.device))[img]",
+                  "rank = torch.arange(len(img), device=img.device)", "each image keeps its own best detections_per_img"),
 ]
 
 FAST = ['tests/test_defaults.py', 'tests/test_augment_stats.py']
