@@ -513,6 +513,22 @@ def test_boxes_of_other_images_or_classes_never_suppress_each_other():
     assert sorted(_nms(boxes, torch.rand(6), labels, img, (64, 96), 0.5).tolist()) == list(range(6))
     assert len(_nms(boxes, torch.rand(6), labels*0, img*0, (64, 96), 0.5)) == 1  # the same image and class: one kept
 
+def test_nms_groups_images_to_bound_its_mask(monkeypatch):
+    "Candidates of many images go through NMS in groups of at most NMS_ROWS (an image with more alone), keeping what one call keeps"
+    import dali_fastai.detectors as D
+    assert D._groups([3, 2, 4, 9, 1], 5) == [(0, 5), (5, 9), (9, 18), (18, 19)]
+    assert D._groups([0, 0], 5) == [] and D._groups([6], 5) == [(0, 6)]
+    torch.manual_seed(0)
+    counts = [7, 0, 12, 5, 9]
+    img = torch.repeat_interleave(torch.arange(5), torch.tensor(counts))
+    xy = torch.rand(len(img), 2) * 60; boxes = torch.cat([xy, xy + 10 + torch.rand(len(img), 2) * 20], 1).clamp(max=64)
+    labels,scores = torch.randint(0, 3, (len(img),)),torch.rand(len(img))
+    one = D._nms(boxes, scores, labels, img, (64, 96), 0.5)
+    monkeypatch.setattr(D, 'NMS_ROWS', 10)
+    grouped = D._nms(boxes, scores, labels, img, (64, 96), 0.5, counts)
+    assert sorted(grouped.tolist()) == sorted(one.tolist()) and len(one) < len(img)
+    for i in range(5): assert grouped[img[grouped] == i].tolist() == one[img[one] == i].tolist() # each image's by decreasing score
+
 @pytest.mark.parametrize('arch', ['fcos', 'retinanet'])
 def test_adapter_validates_with_one_backbone_forward(batch, arch):
     """DetectionAdapter in validation: one backbone forward for the losses and the detections (two before `padded_eval`),

@@ -132,8 +132,9 @@ MUTANTS = [
     ('detection', "if hasattr(self.model, 'padded_eval'):", "if False:", "a batched detector's validation runs its backbone once"),
     ('detectors', "v,i = s.topk(min(k, s.shape[1]), dim=1)", "v,i = s.topk(min(2*k, s.shape[1]), dim=1)",
                   "each level gives an image at most topk_candidates"),
-    ('detectors', "shift = torch.stack([labels*(w + 1), img*(h + 1)], 1).repeat(1, 2)",
-                  "shift = torch.stack([labels*(w + 1), img*0], 1).repeat(1, 2)", "NMS never suppresses a box of another image"),
+    ('detectors', "boxes = boxes.float() + torch.stack([labels*(w + 1), img*(h + 1)], 1).repeat(1, 2)",
+                  "boxes = boxes.float() + torch.stack([labels*(w + 1), img*0], 1).repeat(1, 2)", "NMS never suppresses a box of another image"),
+    ('detectors', "if size and size + c > most:", "if size + c > most:", "NMS groups of images, none empty"),
     ('detectors', "rank = torch.arange(len(img), device=img.device) - torch.searchsorted(img, torch.arange(n, device=img.device))[img]",
                   "rank = torch.arange(len(img), device=img.device)", "each image keeps its own best detections_per_img"),
 ]
