@@ -194,7 +194,7 @@ class DaliDataLoader:
         return self._source.iterator(*self._build_args())
 
     def prepare(self):
-        "Start building this loader's pipeline in the background (DALI builds without Python's lock), so that its first `iter()` does not wait for it"
+        "Start building this loader's pipeline in a background thread, for its first `iter()` to take"
         if len(self.items): self._source.prepare(*self._build_args())
 
     def close(self):

@@ -7,9 +7,11 @@ On the bench's classification task (`bench_images(n_per_class=500)`, 224 px, bs 
 2. `steps` training steps alone, then the same steps while the validation loader's `prepare()` builds its pipeline in a
    background thread (what `DaliDataLoaders` does when a training epoch starts): the steps' seconds side by side, and when
    the build had finished.
-Measured with the same steps on an H200 (2026-11-26, a thread calling the loader's build before `prepare` existed):
-training build 2.2-2.6 s when no other pipeline is alive, validation build 0.5-0.75 s beside it (1.7 s alone); 30 steps
-2.98 s alone, 2.88 s with the validation build in the background, the build done by then.
+Read on an H200 (2026-11-26): training build 2.22 s when no other pipeline is alive (nvImageCodec's nvjpeg extension
+starting: tools/decoder_start.py), validation build 0.47 s beside it; 30 steps 0.43 s alone and 1.00 s with the validation
+build in the background, the build joined at the end: the build does not overlap the steps, it holds them up for about
+its own length. (A first reading, 2.98 s against 2.88 s, timed steps that reset the training loader mid-epoch, which
+closed its pipeline.)
 """
 import argparse, threading, time, warnings
 
@@ -19,6 +21,7 @@ def main(device:str='cuda', steps:int=30):
     import torch
     from dali_fastai.stepbench import _task_data
     from dali_fastai.data import DaliDataLoaders
+    from dali_fastai.measure import _endless
     sync = torch.cuda.synchronize if device.startswith('cuda') else (lambda: None)
     def now(): sync(); return time.perf_counter()
     t,src,db = _task_data('classification', None, None)
@@ -28,13 +31,12 @@ def main(device:str='cuda', steps:int=30):
     learn = t.learner(dls, [], metric=False)
     m = learn.model.to(device).to(memory_format=torch.channels_last)
     opt = torch.optim.AdamW(m.parameters())
+    batches = _endless(dls.train) # epoch after epoch, the training pipeline alive throughout (as in a fit)
     def run(n:int):
-        it = iter(dls.train)
         for _ in range(n):
-            x,y = next(it)
+            x,y = next(batches)
             with torch.autocast(device.split(':')[0], dtype=torch.bfloat16): loss = learn.loss_func(m(x), y)
             loss.backward(); opt.step(); opt.zero_grad()
-        dls.train.reset()
     run(10); s = now(); run(steps); alone = now() - s
     dls.valid.close()
     s = now(); dls.valid.prepare(); run(steps); beside = now() - s

@@ -5,10 +5,11 @@
 1. One warm-up fit of a few batches (capture, cuDNN's choices, pinned memory), then `--batches` training batches with
    `torch.cuda.set_sync_debug_mode('warn')`: each host sync's call site (the last frames of its Python stack), counted.
    The fit's start and end make a few of their own.
-2. The same batches under torch's profiler: the GPU's time a batch (its kernels and copies, each counted once) and the
-   ops that take the most of it.
-GPU only. Read with the same steps on an H200 (2026-11-26, the detection task, FCOS at 128 px, bs 64): 4 syncs in 10 batches, all at the
-fit's start and end; 73.3 ms of CUDA time over 12 batches (6.1 ms a batch) against ~23 ms of host time a step.
+2. A training epoch (no validation) under torch's profiler: the GPU's time a batch, over the batches it trained (its
+   kernels and copies, each counted once, the loader's DALI kernels among them) and the ops that take the most of it.
+GPU only. Read on an H200 (2026-11-26, the detection task, FCOS at 128 px, bs 64): 4 syncs in the fit, all at its start and
+end (the task's epoch has 6 batches). Its first reading divided the profile's 77.5 ms by 12 batches; the epoch had 6
+and a validation pass, so a batch's GPU time is ~13 ms, as the step bench's plain loop measures it (13.8 ms).
 """
 import argparse, collections, traceback, warnings
 
@@ -20,6 +21,7 @@ def main(task:str='detection', batches:int=10):
     from dali_fastai.data import DaliDataLoaders
     from dali_fastai.measure import Throughput
     from dali_fastai.faststep import FastStep
+    from fastai.callback.core import Callback, CancelValidException
     t,src,db = _task_data(task, None, None)
     learn = t.learner(DaliDataLoaders.from_dblock(db, src, bs=64, device='cuda', seed=0), [FastStep()], metric=False)
     sites = collections.Counter()
@@ -36,11 +38,17 @@ def main(task:str='detection', batches:int=10):
         finally: torch.cuda.set_sync_debug_mode(0)
     print(f"{task}: {sum(sites.values())} host syncs in {batches} training batches and the fit's start and end")
     for k,v in sites.most_common(15): print(f"{v:5d}  {k}")
+    class TrainOnly(Callback):
+        def before_fit(self): self.n = 0
+        def after_batch(self): self.n += 1
+        def before_validate(self): raise CancelValidException
+    count = TrainOnly()
     with learn.no_bar(), learn.no_logging():
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            learn.fit(1, cbs=Throughput(n_batches=batches, warmup=2))
+            learn.fit(1, cbs=count)
+            torch.cuda.synchronize()
     gpu = device_ms(prof)
-    print(f"GPU time: {gpu:.1f} ms over {batches + 2} batches, {gpu/(batches + 2):.1f} ms a batch")
+    print(f"GPU time: {gpu:.1f} ms over {count.n} training batches, {gpu/count.n:.1f} ms a batch")
     print(prof.key_averages().table(sort_by='self_device_time_total', row_limit=12, max_name_column_width=60))
 
 
