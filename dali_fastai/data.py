@@ -63,11 +63,6 @@ def _check_args(args:dict, # a constructor's `locals()` on entry: its arguments,
 # %% ../nbs/06_data.ipynb #ac80c5a8
 class DaliDataLoaders(DataLoaders):
     "fastai `DataLoaders` over DALI pipelines (a train and a valid `DaliDataLoader`), built like `ImageDataLoaders`"
-    def __init__(self, *loaders, **kwargs): # fastai's `DataLoaders` arguments (`path`, `device`)
-        super().__init__(*loaders, **kwargs)
-        for a,b in zip(loaders, loaders[1:]): # each loader's epoch builds the next one's pipeline in the background
-            if isinstance(a, DaliDataLoader) and isinstance(b, DaliDataLoader): a.next_loader = b
-
     @classmethod
     def from_items(cls, path, # root of the dataset (saved as `dls.path`)
                    train:ImageItems, # the training files and targets

@@ -9,7 +9,7 @@ __all__ = ['n_batches', 'shard_sizes', 'batches_per_rank', 'interleaved_order', 
            'DaliEpoch', 'derived_seed', 'PipelineSource', 'to_device_async']
 
 # %% ../nbs/04_epoch.ipynb #42a6f309
-import base64, functools, os, threading
+import base64, functools, os
 from contextlib import contextmanager
 import numpy as np
 import torch
@@ -134,12 +134,11 @@ def derived_seed(seed:int|None, # the user's seed; None: None
     return None if seed is None else int(np.random.SeedSequence([seed, *stream]).generate_state(1)[0])
 
 class PipelineSource:
-    "The DALI iterator behind a loader: built on demand (or ahead, in the background), with seeds of its own for every build; closed, checkpointed, resumed"
+    "The DALI iterator behind a loader: built on demand, with seeds of its own for every build; closed, checkpointed, resumed"
     def __init__(self, names:list, # the pipeline's outputs' names
                 ):
         self.names = names
         self.it,self.key,self.builds,self.order_seed,self.resume = None,None,0,None,None
-        self._building,self._failed = None,None
 
     def iterator(self, key, # what the pipeline is built for (e.g. recipe and shard): another key rebuilds it
                  make, # `make(seed, order_seed, checkpoint)` → a DALI `Pipeline` whose reader is named 'Reader' (not kept: no cycle)
@@ -147,27 +146,7 @@ class PipelineSource:
                  stream:tuple=(), # extra seed stream (a rank's own augmentation)
                  drop_last:bool=False, # DALI's last-batch policy: drop the partial batch (else keep it)
                 )->DALIGenericIterator:
-        "The iterator, built now if there is none, or none for `key` (a build `prepare` started is waited for, its error raised here)"
-        self._join()
-        return self._build(key, make, seed, stream, drop_last)
-
-    def prepare(self, key, make, seed:int|None, stream:tuple=(), drop_last:bool=False): # as `iterator` takes them
-        "Start building the iterator for `key` in a background thread, for the next `iterator` call to take (measured on an H200, the build held up the Python work beside it: tools/pipeline_builds.py)"
-        if self._building is not None or (self.it is not None and self.key == key): return
-        def build():
-            try: self._build(key, make, seed, stream, drop_last)
-            except BaseException as e: self._failed = e
-        self._building = threading.Thread(target=build, name='dali_fastai pipeline build', daemon=True)
-        self._building.start()
-
-    def _join(self, keep_error:bool=True):
-        t,self._building = self._building,None
-        if t is None: return
-        t.join()
-        e,self._failed = self._failed,None
-        if e is not None and keep_error: raise e
-
-    def _build(self, key, make, seed, stream, drop_last)->DALIGenericIterator:
+        "The iterator, built now if there is none, or none for `key`"
         if self.it is not None and self.key == key: return self.it
         resume,self.resume = self.resume,None
         build = self.builds if resume is None else resume['build']
@@ -184,11 +163,10 @@ class PipelineSource:
                                                auto_reset=True, prepare_first_batch=False),key
         return self.it
 
-    def close(self): self._join(keep_error=False); self.it,self.key = None,None
-    def __getstate__(self): return {**self.__dict__, 'it': None, 'key': None, 'resume': None, '_building': None, '_failed': None}  # DALI's cannot be pickled
+    def close(self): self.it,self.key = None,None
+    def __getstate__(self): return {**self.__dict__, 'it': None, 'key': None, 'resume': None}  # DALI's cannot be pickled
     def state(self)->dict:
         "Build number, order seed and DALI's checkpoint (reader positions, random generators), JSON-ready"
-        self._join()
         return {'build': self.builds - 1, 'order_seed': self.order_seed,
                 'dali': None if self.it is None else base64.b64encode(self.it.checkpoints()[0]).decode()}
     def load(self, state:dict):

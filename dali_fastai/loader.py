@@ -112,7 +112,6 @@ class DaliDataLoader:
                                       [f'side{k}_{n}' for k,t in enumerate(self._sides) for n in t.side_names])
         self._epoch,self._epoch_no,self._taken_at_resume,self._peeks = None,0,0,0
         self.rank,self.world_size = 0,1
-        self.next_loader = None # the loader read after this one (`DaliDataLoaders` sets it): its pipeline is built while this one's epoch runs
 
     @property
     def split_idx(self)->int:
@@ -183,19 +182,12 @@ class DaliDataLoader:
                                        self.num_threads, self.prefetch, self.rank, self.world_size, order_seed, checkpoint,
                                        side_files=side, reader=self.items.read, host_labels=self._geometric)
 
-    def _build_args(self)->tuple:
-        "What `PipelineSource` builds the iterator for and with: split and shard, pipeline, seed, seed stream, last-batch policy"
-        stream = () if self.world_size == 1 else (_RANK_STREAM, self.rank)
-        # sharded: PARTIAL, and the epoch stops every rank at `len(self)` (DALI's DROP repeats padding samples then)
-        return (self.split_idx, self.rank, self.world_size),self._pipeline,self.seed,stream,self.drop_last and self.world_size == 1
-
     def _iterator(self)->DALIGenericIterator:
         "The DALI iterator for the current split and shard (the order is the same on every rank; augmentation differs)"
-        return self._source.iterator(*self._build_args())
-
-    def prepare(self):
-        "Start building this loader's pipeline in a background thread, for its first `iter()` to take"
-        if len(self.items): self._source.prepare(*self._build_args())
+        stream = () if self.world_size == 1 else (_RANK_STREAM, self.rank)
+        # sharded: PARTIAL, and the epoch stops every rank at `len(self)` (DALI's DROP repeats padding samples then)
+        return self._source.iterator((self.split_idx, self.rank, self.world_size), self._pipeline, self.seed, stream,
+                                     drop_last=self.drop_last and self.world_size == 1)
 
     def close(self):
         "Free the DALI pipeline and its memory; the next `iter()` builds a new one"
@@ -274,7 +266,6 @@ class DaliDataLoader:
         taken,self._taken_at_resume = self._taken_at_resume,0
         self._epoch = DaliEpoch(self._iterator(), len(self), taken)
         self.after_batch.split_idx = self.split_idx
-        if self.next_loader is not None: self.next_loader.prepare() # nothing to do once it is built
         return self._epoch
 
     def _read(self, epoch:DaliEpoch):

@@ -450,37 +450,3 @@ def test_empty_class_folder_is_an_error(tmp_path):
         DaliDataLoaders.from_folder(tmp_path, valid_pct=0.25, bs=2, size=8, device='cpu')
     (tmp_path/'train'/'bird').rmdir(); (tmp_path/'valid'/'bird').rmdir()
     assert DaliDataLoaders.from_folder(tmp_path, bs=2, size=8, device='cpu').vocab == ['cat', 'dog']
-
-
-# ---------------------------------------------------------------- pipelines built ahead, in the background
-
-def test_a_prepared_loader_gives_the_batches_of_one_built_on_demand(fmnist_files):
-    "prepare() builds the pipeline in a background thread with the same seeds: the same batches, and no second build"
-    ahead,demand = _fm_loader(fmnist_files, 5),_fm_loader(fmnist_files, 5)
-    ahead.prepare()
-    assert ahead._source._building is not None or ahead._source.it is not None
-    a,b = _epochs(ahead),_epochs(demand)
-    assert ahead._source.builds == 1 and ahead._source._building is None
-    for (xa,ya),(xb,yb) in zip(a, b): assert torch.equal(ya, yb) and torch.equal(xa, xb)
-
-
-def test_a_failed_background_build_raises_at_iter(fmnist_files, monkeypatch):
-    "An error of the background build is raised by the first iter() that needs the pipeline, not lost in the thread"
-    dl = _fm_loader(fmnist_files, 5)
-    def broken(*args, **kwargs): raise RuntimeError("the pipeline could not be built")
-    monkeypatch.setattr(dl, '_pipeline', broken)
-    dl.prepare()
-    with pytest.raises(RuntimeError, match='could not be built'): next(iter(dl))
-    monkeypatch.undo()
-    assert len(_epochs(dl, 1)) == len(dl)  # and the next build is a fresh one
-
-
-def test_training_builds_the_validation_pipeline_in_the_background(files):
-    "DaliDataLoaders: the training epoch's start builds the validation loader's pipeline, which validation then reads"
-    dls = DaliDataLoaders(index_loader(files[:16], 4, train=True, seed=0), index_loader(files[16:24], 4))
-    assert dls.train.next_loader is dls.valid and dls.valid._source.it is None
-    it = iter(dls.train); next(it)
-    dls.valid._source._join()
-    assert dls.valid._source.it is not None and dls.valid._source.builds == 1
-    assert flat(epoch_items(dls.valid)) == list(range(16, 24)) and dls.valid._source.builds == 1
-    assert pickle.loads(pickle.dumps(dls.valid))._source._building is None

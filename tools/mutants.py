@@ -116,12 +116,10 @@ MUTANTS = [
     # item flips: a coin of probability p for each item
     ('steps', 'dihedral_mat, p=tfm.p)', 'dihedral_mat, p=tfm.p, batch=True)', 'FlipItem, DihedralItem: a coin per item'),
     ('steps', 'dihedral_mat, p=tfm.p)', 'dihedral_mat, p=min(1., 2*tfm.p))', 'FlipItem(p), DihedralItem(p)'),
-    # the detection step without host syncs: padding stays padding, few shapes, the next pipeline built ahead
+    # the detection step without host syncs: padding stays padding, few shapes
     ('detection', "return px * real[..., None],labels,real", "return px,labels,real", "fastai's padding rows become zero boxes"),
     ('detection', "self.rows = -(-boxes.shape[1] // self.multiple) * self.multiple", "self.rows = boxes.shape[1]",
                   "box rows padded to a multiple of 8"),
-    ('loader', "if self.next_loader is not None: self.next_loader.prepare()", "pass",
-               "a training epoch builds the validation pipeline in the background"),
     ('targets', "A,B,C = e*i - f*h,f*g - d*i,d*h - e*g", "A,B,C = e*i - f*h,d*i - f*g,d*h - e*g", "3x3 inverses by cofactors"),
     # a captured step's anchors outlive validation batches of other sizes; one COCO evaluation for both mAP columns
     ('detectors', "if len(kept) < self.max_kept: kept[key] = anchors", "kept.clear(); kept[key] = anchors",
