@@ -137,27 +137,30 @@ class DetectionMAP(Metric):
                  of:'DetectionMAP|None'=None, # another `DetectionMAP` of the same learner: report `key` of its batches and evaluation
                  **kwargs, # passed to `MeanAveragePrecision` (not with `of`: that one's are used)
                 ):
-        self.key,self.of,self.mean_ap,self._numbers = key,of,None,None
+        self.key,self.of,self.mean_ap = key,of,None
         if of is not None:
+            if not isinstance(of, DetectionMAP):
+                raise TypeError(f"DetectionMAP({key!r}, of=...) reports another DetectionMAP's evaluation; got a {type(of).__name__}")
             if kwargs: raise ValueError(f"DetectionMAP({key!r}, of=...) reports the other metric's evaluation, so it takes no "
                                         f"MeanAveragePrecision arguments ({', '.join(kwargs)}): give them to that metric")
             return
         MeanAveragePrecision = _needs('torchmetrics.detection', 'DetectionMAP', 'detection').MeanAveragePrecision
         self.mean_ap = MeanAveragePrecision(box_format='xyxy', iou_type='bbox', **kwargs)
     def reset(self):
-        if self.of is None: self.mean_ap.reset(); self._numbers = None
+        if self.of is None: self.mean_ap.reset()
     def accumulate(self, learn):
-        if self.of is not None: return # the other metric accumulates the batch
+        if self.of is not None: return self._check_of(learn) # the other metric accumulates the batch
         targets = fastai_to_targets(*learn.yb, learn.xb[0].shape[-2:])
         cpu = lambda ds: [{k: v.detach().cpu() for k,v in d.items()} for d in ds]
         self.mean_ap.update(cpu(unpadded(learn.pred['detections'])), cpu(targets))
-        self._numbers = None
+    def _check_of(self, learn):
+        if self.of not in getattr(learn, 'metrics', [self.of]):
+            raise ValueError(f"DetectionMAP({self.key!r}, of=...) reports the evaluation of a DetectionMAP that is not among the "
+                             "learner's metrics, which nothing then accumulates: add that metric to `metrics` too, or make this one without `of`")
     def numbers(self)->dict|None:
-        "All of COCO's numbers over the batches accumulated, evaluated once for every metric that reports one; None over no batch"
+        "All of COCO's numbers over the batches accumulated (one evaluation, which torchmetrics keeps until the next batch), for every metric that reports one; None over no batch"
         if self.of is not None: return self.of.numbers()
-        if not self.mean_ap.update_called: return None
-        if self._numbers is None: self._numbers = self.mean_ap.compute()
-        return self._numbers
+        return self.mean_ap.compute() if self.mean_ap.update_called else None
     @property
     def value(self)->float|None:
         "COCO's number `key` over the batches accumulated; None when none was (`predict`, `show_results`), as fastai's `AvgMetric`"

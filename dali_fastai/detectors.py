@@ -358,11 +358,13 @@ def padded_detections(dets:list, # torchvision's detections: per image, `boxes` 
 def _candidates(scores:torch.Tensor, # [N, A, classes]: each anchor's class scores
                 per_level:list, # anchors of each pyramid level
                 k:int, # `topk_candidates`: the most candidates a level gives an image
+                thresh:float, # `score_thresh`: scores not above it (NaN among them) rank last, as -1
                )->tuple: # scores [N, K] and their places in `scores[i].flatten()` [N, K], each level's best first
-    "Each image's best `k` (anchor, class) scores in each level, for every image at once (`postprocess_detections`' candidates are those above `score_thresh`)"
+    "Each image's best `k` (anchor, class) scores above `thresh` in each level, for every image at once, -1 where a level has fewer"
     vals,idxs,first = [],[],0
     for s in scores.split(per_level, 1):
         s = s.flatten(1)
+        s = torch.where(s > thresh, s, -1.) # torchvision drops these before its top-k; `topk` would rank a NaN first
         v,i = s.topk(min(k, s.shape[1]), dim=1)
         vals.append(v); idxs.append(i + first); first += s.shape[1]
     return torch.cat(vals, 1),torch.cat(idxs, 1)
@@ -373,9 +375,12 @@ def _groups(counts:list, most:int)->list:
     "Row spans `(start, end)` of consecutive images whose candidates (`counts`, an image's each) add up to at most `most`, an image with more alone"
     spans,start,size = [],0,0
     for c in counts:
-        if size and size + c > most: spans.append((start, start + size)); start,size = start + size,0
+        if size and size + c > most:
+            spans.append((start, start + size))
+            start,size = start + size,0
         size += c
-    return spans + [(start, start + size)] * (size > 0)
+    if size: spans.append((start, start + size))
+    return spans
 
 def _nms(boxes:torch.Tensor, scores:torch.Tensor, labels:torch.Tensor, img:torch.Tensor, # [R, 4], [R], [R], [R]: the batch's candidates, image by image
          size:tuple, # (height, width) of the images, to which the boxes are clipped
@@ -386,7 +391,8 @@ def _nms(boxes:torch.Tensor, scores:torch.Tensor, labels:torch.Tensor, img:torch
     h,w = size
     boxes = boxes.float() + torch.stack([labels*(w + 1), img*(h + 1)], 1).repeat(1, 2)
     spans = [(0, len(img))] if counts is None else _groups(counts, NMS_ROWS)
-    return torch.cat([nms(boxes[a:b], scores[a:b].float(), thresh) + a for a,b in spans]) if spans else img.new_zeros(0)
+    if not spans: return img.new_zeros(0) # no candidate in the batch
+    return torch.cat([nms(boxes[a:b], scores[a:b].float(), thresh) + a for a,b in spans])
 
 def _first_rows(img:torch.Tensor, # [R]: each row's image, the rows by decreasing score
                 rows:dict, # name -> [R, ...]
@@ -413,7 +419,7 @@ def batch_detections(model:nn.Module, # a `BatchedFCOS` or `BatchedRetinaNet`: i
     scores = model.detection_scores(head_outputs) # [N, A, classes]
     n,a,c = scores.shape
     per_level = [a // sum(num_anchors_per_level) * m for m in num_anchors_per_level] # RetinaNet: several anchors a location
-    score,idx = _candidates(scores, per_level, model.topk_candidates)
+    score,idx = _candidates(scores, per_level, model.topk_candidates, model.score_thresh)
     above = score > model.score_thresh
     counts = above.sum(1).tolist() # read by the host: how many are above the threshold, each image
     img,col = above.nonzero().unbind(1)

@@ -128,8 +128,9 @@ def test_map_perfect_and_shifted(batch):
     assert res['map', 'shifted'] < res['map_50', 'shifted'] <= 1.0 and res['map', 'shifted'] < 0.8
     assert res['map', 'wrong'] == 0.0
 
-def test_map_of_another_evaluates_once(batch):
+def test_map_of_another_evaluates_once(batch, monkeypatch):
     "detection_learner's mAP columns: the second reports its number of the first's one COCO evaluation an epoch"
+    from torchmetrics.detection import MeanAveragePrecision
     x,bx,lb,_,_ = batch
     ts = fastai_to_targets(bx, lb, (H, W))
     shifted = [{'boxes': t['boxes'] + torch.tensor([6., 0., 6., 0.]), 'scores': torch.ones(len(t['labels'])), 'labels': t['labels']} for t in ts]
@@ -137,15 +138,19 @@ def test_map_of_another_evaluates_once(batch):
     alone = {}
     for key in ('map', 'map_50'):
         m = DetectionMAP(key); m.accumulate(learn); alone[key] = m.value
+    evaluated,compute = [],MeanAveragePrecision.compute
+    monkeypatch.setattr(MeanAveragePrecision, 'compute', lambda self: evaluated.append(1) or compute(self))  # before the metrics: torchmetrics wraps it
     m = DetectionMAP(); m50 = DetectionMAP('map_50', of=m)
-    evaluated,compute = [],m.mean_ap.compute
-    m.mean_ap.compute = lambda: evaluated.append(1) or compute()
+    learn.metrics = [m, m50]
     for epoch in range(2):
         for k in (m, m50): k.reset()
         assert m50.value is None
         for k in (m, m50): k.accumulate(learn)
-        assert (m50.value, m.value) == (alone['map_50'], alone['map'])
+        assert (m50.value, m.value, m50.value) == (alone['map_50'], alone['map'], alone['map_50'])
     assert len(evaluated) == 2 # once an epoch
+    learn.metrics = [m50]
+    with pytest.raises(ValueError, match="not among the learner's metrics"): m50.accumulate(learn)
+    with pytest.raises(TypeError, match="reports another DetectionMAP's evaluation; got a str"): DetectionMAP('map_50', of='map')
 
 def test_map_accumulates_batches(batch):
     "Two batches, one predicted perfectly and one not at all: half the objects found"
@@ -389,8 +394,10 @@ def test_a_detector_step_replays_as_a_cuda_graph(batch, arch):
         for k in b[1]: assert (a[1][k] - b[1][k]).norm() <= 1e-3 * b[1][k].norm() + 1e-6, k
     step(); same(step(), eager)  # captured, then replayed
     assert not warned and len(capture.graphs) == 1
+    kept = dict(model.model.anchor_generator._kept)  # the anchors the graph reads
     model.eval()
     with torch.no_grad(): model(x[:2])  # a validation batch of another size
+    assert all(model.model.anchor_generator._kept[k] is v for k,v in kept.items())
     model.train()
     junk = [torch.full((n,), 1e6, device='cuda') for n in (128, 512, 2048, 8192) for _ in range(64)]  # memory freed meanwhile is reused
     same(step(), eager)
@@ -499,6 +506,7 @@ def test_batch_detections_are_torchvision_s_of_the_same_outputs(arch):
     with torch.no_grad(): head_outputs,anchors,levels = model._outputs(ImageList(torch.randn(5, 3, 64, 96), [(64, 96)]*5))
     head_outputs['cls_logits'] = torch.randn_like(head_outputs['cls_logits']) * 2
     head_outputs['cls_logits'][2] = -10.  # no score above the threshold
+    head_outputs['cls_logits'][3, :50] = float('nan')  # a diverged image: torchvision drops NaN before its top-k
     per_level = [anchors.shape[1] // sum(levels) * m for m in levels]
     split = {k: list(v.split(per_level, 1)) for k,v in head_outputs.items()}
     theirs = model.postprocess_detections(split, [list(a.split(per_level)) for a in anchors], [(64, 96)]*5)

@@ -7,8 +7,7 @@ of the process is made, and again once no decoder is alive. For each set of exte
 turn), a fresh process builds the bench's classification training pipeline (`bench_images(n_per_class=500)`, 224 px,
 bs 64, on the GPU) with only that set visible (`NVIMGCODEC_EXTENSIONS_PATH`) and prints the build's seconds and its first
 run's. Read on an H200 (2026-11-26, DALI 2.4.0, nvImageCodec 0.9): 2.2 s to build with every extension, 0.035 s without
-the nvjpeg one and 2.2 s without any other: the nvjpeg extension's start is the whole of it, whatever `hw_decoder_load`
-says (0 and 0.65 build alike). Beside a live pipeline the same build takes 0.5-0.65 s. GPU only.
+the nvjpeg one and 2.2 s without any other: the nvjpeg extension's start is the whole of it. GPU only.
 """
 import glob, os, subprocess, sys, tempfile
 

@@ -124,7 +124,7 @@ MUTANTS = [
     # a captured step's anchors outlive validation batches of other sizes; one COCO evaluation for both mAP columns
     ('detectors', "if len(kept) < self.max_kept: kept[key] = anchors", "kept.clear(); kept[key] = anchors",
                   "anchors a CUDA graph reads are never dropped"),
-    ('detection', "if self._numbers is None: self._numbers = self.mean_ap.compute()", "self._numbers = self.mean_ap.compute()",
+    ('detection', "metrics = [m := DetectionMAP(), DetectionMAP('map_50', of=m)]", "metrics = [DetectionMAP(), DetectionMAP('map_50')]",
                   "detection_learner's mAP columns share one evaluation"),
     # validation in one forward of the backbone and head, with torchvision's detections for every image
     ('detection', "if hasattr(self.model, 'padded_eval'):", "if False:", "a batched detector's validation runs its backbone once"),
@@ -133,6 +133,7 @@ MUTANTS = [
     ('detectors', "boxes = boxes.float() + torch.stack([labels*(w + 1), img*(h + 1)], 1).repeat(1, 2)",
                   "boxes = boxes.float() + torch.stack([labels*(w + 1), img*0], 1).repeat(1, 2)", "NMS never suppresses a box of another image"),
     ('detectors', "if size and size + c > most:", "if size + c > most:", "NMS groups of images, none empty"),
+    ('detectors', "s = torch.where(s > thresh, s, -1.)", "s = s", "a level's candidates are those above score_thresh, NaN not first"),
     ('detectors', "rank = torch.arange(len(img), device=img.device) - torch.searchsorted(img, torch.arange(n, device=img.device))[img]",
                   "rank = torch.arange(len(img), device=img.device)", "each image keeps its own best detections_per_img"),
 ]

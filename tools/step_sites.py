@@ -8,8 +8,9 @@
 2. A training epoch (no validation) under torch's profiler: the GPU's time a batch, over the batches it trained (its
    kernels and copies, each counted once, the loader's DALI kernels among them) and the ops that take the most of it.
 GPU only. Read on an H200 (2026-11-26, the detection task, FCOS at 128 px, bs 64): 4 syncs in the fit, all at its start and
-end (the task's epoch has 6 batches). Its first reading divided the profile's 77.5 ms by 12 batches; the epoch had 6
-and a validation pass, so a batch's GPU time is ~13 ms, as the step bench's plain loop measures it (13.8 ms).
+end (the task's epoch has 6 batches); 76.6 ms of GPU time over the 6 training batches, 12.8 ms a batch, as the step
+bench's plain loop measures it (13.8 ms). Its first reading (73.3 ms, said to be 6.1 ms a batch) divided by 12 batches
+where the epoch had 6 and a validation pass.
 """
 import argparse, collections, traceback, warnings
 
