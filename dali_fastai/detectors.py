@@ -167,6 +167,10 @@ class _OneBatchStep:
                     boxes:torch.Tensor|None=None, labels:torch.Tensor|None=None, real:torch.Tensor|None=None, # padded targets, for the losses
                    )->tuple: # the losses ({} without targets) and the detections, padded as `padded_detections` pads torchvision's
         "A validation batch's losses and torchvision's detections, from one forward of the backbone and head (in evaluation mode)"
+        given = {k: v is not None for k,v in dict(boxes=boxes, labels=labels, real=real).items()}
+        if any(given.values()) and not all(given.values()):
+            raise ValueError(f"padded_eval takes the padded targets whole (boxes, labels and real, as `padded_targets` makes them) "
+                             f"or none of them; got only {', '.join(k for k,g in given.items() if g)}")
         if not self._stacks(x): return self._eval_per_image(x, boxes, labels, real)
         images = _image_list(x)
         outputs = self._outputs(images)

@@ -513,6 +513,14 @@ def test_batch_detections_are_torchvision_s_of_the_same_outputs(arch):
     same_detections(batch_detections(model, head_outputs, anchors, levels, (64, 96)), theirs)
     assert [len(t['scores']) for t in theirs] == [25, 25, 0, 25, 25]
 
+def test_padded_eval_takes_the_targets_whole(batch):
+    "Boxes without their labels and real rows: an error naming what came, not one deep in the box check"
+    _,bx,lb,_,_ = batch
+    model = small_detector(4, (64, 96), fpn_channels=32).eval()
+    boxes,labels,real = fastai_to_padded(bx, lb, (64, 96))
+    with pytest.raises(ValueError, match=r"takes the padded targets whole .* got only boxes, labels"):
+        model.padded_eval(torch.randn(3, 3, 64, 96), boxes, labels)
+
 def test_boxes_of_other_images_or_classes_never_suppress_each_other():
     "One box, copied to each image and each class: NMS over the batch keeps every copy"
     from dali_fastai.detectors import _nms
