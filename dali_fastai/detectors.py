@@ -420,6 +420,9 @@ def batch_detections(model:nn.Module, # a `BatchedFCOS` or `BatchedRetinaNet`: i
                      size:tuple, # (height, width) of the images, as the model sees them
                     )->dict: # `boxes` [N, k, 4], `labels` [N, k], `scores` [N, k], as `padded_detections` pads torchvision's; k: `detections_per_img`
     "torchvision's `postprocess_detections` for the whole batch: each level's candidates, their boxes decoded and clipped, NMS, each image's best"
+    if not hasattr(model, 'detection_scores'):
+        raise TypeError(f"batch_detections needs a BatchedFCOS or BatchedRetinaNet (their `detection_scores` and `decode_boxes`), "
+                        f"got a {type(model).__name__}: other detectors postprocess image by image (`model(list(x))` in evaluation mode)")
     scores = model.detection_scores(head_outputs) # [N, A, classes]
     n,a,c = scores.shape
     per_level = [a // sum(num_anchors_per_level) * m for m in num_anchors_per_level] # RetinaNet: several anchors a location

@@ -520,6 +520,9 @@ def test_padded_eval_takes_the_targets_whole(batch):
     boxes,labels,real = fastai_to_padded(bx, lb, (64, 96))
     with pytest.raises(ValueError, match=r"takes the padded targets whole .* got only boxes, labels"):
         model.padded_eval(torch.randn(3, 3, 64, 96), boxes, labels)
+    from dali_fastai.detectors import batch_detections
+    with pytest.raises(TypeError, match="batch_detections needs a BatchedFCOS or BatchedRetinaNet .* got a Linear"):
+        batch_detections(torch.nn.Linear(1, 1), {}, torch.zeros(1, 1, 4), [1], (64, 96))
 
 def test_boxes_of_other_images_or_classes_never_suppress_each_other():
     "One box, copied to each image and each class: NMS over the batch keeps every copy"
