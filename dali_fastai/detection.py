@@ -9,6 +9,7 @@ __all__ = ['fastai_to_padded', 'fastai_to_targets', 'unpadded', 'DetectionAdapte
            'DetectionTargets', 'DetectionMAP', 'DetectionLearner', 'detection_learner']
 
 # %% ../nbs/07c_detection.ipynb #4a531d6b
+from functools import partial
 import torch
 from torch import nn
 from fastai.callback.core import Callback
@@ -16,7 +17,7 @@ from fastai.learner import Learner, Metric
 from fastai.torch_core import TensorMultiCategory
 from fastai.vision.core import TensorBBox
 from fastai.vision.data import get_grid
-from .detectors import unpadded_targets, padded_detections, _loss_mode
+from .detectors import unpadded_targets, padded_detections, eval_per_image
 from .util import _needs
 
 # %% ../nbs/07c_detection.ipynb #390b0111
@@ -87,10 +88,7 @@ class DetectionAdapter(nn.Module):
         "A validation batch's losses and detections: from one forward where the detector offers it (`padded_eval`), else from its training step (normalization layers in evaluation mode) and its evaluation"
         if hasattr(self.model, 'padded_eval'):
             return self.model.padded_eval(x, *(() if boxes is None else fastai_to_padded(boxes, labels, x.shape[-2:])))
-        losses = {}
-        if boxes is not None:
-            with _loss_mode(self.model): losses = self._losses(x, boxes, labels)
-        return losses,padded_detections(self.model(list(x)), self.max_detections)
+        return eval_per_image(self.model, x, None if boxes is None else partial(self._losses, x, boxes, labels), self.max_detections)
 
     def _losses(self, x:torch.Tensor, boxes:torch.Tensor, labels:torch.Tensor)->dict:
         "The detector's training losses: from the padded batch as it is when the detector takes one (`BatchedFCOS`...), else per image"

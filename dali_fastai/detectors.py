@@ -6,9 +6,10 @@ Docs: https://dali-fastai.github.io/dali_fastai/detectors.html.md"""
 
 # %% auto #0
 __all__ = ['NMS_ROWS', 'BatchedTransform', 'padded_targets', 'unpadded_targets', 'BoxCheck', 'BatchedFCOS', 'CachedAnchors',
-           'small_detector', 'BatchedRetinaNet', 'padded_detections', 'batch_detections']
+           'small_detector', 'BatchedRetinaNet', 'padded_detections', 'eval_per_image', 'batch_detections']
 
 # %% ../nbs/07b_detectors.ipynb #f1a00003
+from collections.abc import Callable
 from contextlib import contextmanager
 from functools import partial
 import torch
@@ -171,18 +172,13 @@ class _OneBatchStep:
         if any(given.values()) and not all(given.values()):
             raise ValueError(f"padded_eval takes the padded targets whole (boxes, labels and real, as `padded_targets` makes them) "
                              f"or none of them; got only {', '.join(k for k,g in given.items() if g)}")
-        if not self._stacks(x): return self._eval_per_image(x, boxes, labels, real)
+        if not self._stacks(x): # torchvision's own steps
+            return eval_per_image(self, x, None if boxes is None else partial(self.padded_losses, x, boxes, labels, real), self.detections_per_img)
         images = _image_list(x)
         outputs = self._outputs(images)
         losses = {} if boxes is None else self._losses(images, boxes, labels, real, outputs)
         return losses,batch_detections(self, *outputs, images.image_sizes[0])
 
-    def _eval_per_image(self, x, boxes, labels, real)->tuple:
-        "torchvision's own steps: a training forward for the losses, its normalization layers in evaluation mode, then an evaluation forward"
-        losses = {}
-        if boxes is not None:
-            with _loss_mode(self): losses = self.padded_losses(x, boxes, labels, real)
-        return losses,padded_detections(self(list(x)), self.detections_per_img)
 
     def _outputs(self, images:ImageList)->tuple: # the head's outputs [N, A, ...], the anchors [N, A, 4] and the locations of each level
         "The batch's one forward of the backbone and head"
@@ -358,6 +354,17 @@ def padded_detections(dets:list, # torchvision's detections: per image, `boxes` 
         for i,r in enumerate(rows): out[i, :len(r)] = r
     return res
 
+def eval_per_image(model:nn.Module, # a torchvision detector, in evaluation mode
+                   x:torch.Tensor, # the batch's images [N, 3, H, W]
+                   losses:Callable|None, # `losses()` -> the batch's training losses; None: none asked for
+                   k:int, # detection rows per image (`detections_per_img`)
+                  )->tuple: # the losses ({} without `losses`) and the detections, padded by `padded_detections`
+    "torchvision's own validation steps: the training losses with normalization and dropout layers in evaluation mode, then an evaluation forward"
+    res = {}
+    if losses is not None:
+        with _loss_mode(model): res = losses()
+    return res,padded_detections(model(list(x)), k)
+
 # %% ../nbs/07b_detectors.ipynb #d0d13f9e
 def _candidates(scores:torch.Tensor, # [N, A, classes]: each anchor's class scores
                 per_level:list, # anchors of each pyramid level
@@ -389,12 +396,12 @@ def _groups(counts:list, most:int)->list:
 def _nms(boxes:torch.Tensor, scores:torch.Tensor, labels:torch.Tensor, img:torch.Tensor, # [R, 4], [R], [R], [R]: the batch's candidates, image by image
          size:tuple, # (height, width) of the images, to which the boxes are clipped
          thresh:float, # `nms_thresh`
-         counts:list|None=None, # each image's candidates (host ints), to group the images; None: one call
+         counts:list, # each image's candidates (host ints), to group the images
         )->torch.Tensor: # the rows kept, each image's by decreasing score
     "NMS of each image and class apart, in a few calls: each box moved right by its label and down by its image, by more than the image's side each time"
     h,w = size
     boxes = boxes.float() + torch.stack([labels*(w + 1), img*(h + 1)], 1).repeat(1, 2)
-    spans = [(0, len(img))] if counts is None else _groups(counts, NMS_ROWS)
+    spans = _groups(counts, NMS_ROWS)
     if not spans: return img.new_zeros(0) # no candidate in the batch
     return torch.cat([nms(boxes[a:b], scores[a:b].float(), thresh) + a for a,b in spans])
 

@@ -529,8 +529,8 @@ def test_boxes_of_other_images_or_classes_never_suppress_each_other():
     from dali_fastai.detectors import _nms
     boxes = torch.tensor([[0., 0., 96., 64.]]).repeat(6, 1)
     img,labels = torch.tensor([0, 0, 1, 1, 2, 2]),torch.tensor([1, 2, 1, 2, 1, 2])
-    assert sorted(_nms(boxes, torch.rand(6), labels, img, (64, 96), 0.5).tolist()) == list(range(6))
-    assert len(_nms(boxes, torch.rand(6), labels*0, img*0, (64, 96), 0.5)) == 1  # the same image and class: one kept
+    assert sorted(_nms(boxes, torch.rand(6), labels, img, (64, 96), 0.5, [2, 2, 2]).tolist()) == list(range(6))
+    assert len(_nms(boxes, torch.rand(6), labels*0, img*0, (64, 96), 0.5, [6])) == 1  # the same image and class: one kept
 
 def test_nms_groups_images_to_bound_its_mask(monkeypatch):
     "Candidates of many images go through NMS in groups of at most NMS_ROWS (an image with more alone), keeping what one call keeps"
@@ -542,7 +542,7 @@ def test_nms_groups_images_to_bound_its_mask(monkeypatch):
     img = torch.repeat_interleave(torch.arange(5), torch.tensor(counts))
     xy = torch.rand(len(img), 2) * 60; boxes = torch.cat([xy, xy + 10 + torch.rand(len(img), 2) * 20], 1).clamp(max=64)
     labels,scores = torch.randint(0, 3, (len(img),)),torch.rand(len(img))
-    one = D._nms(boxes, scores, labels, img, (64, 96), 0.5)
+    one = D._nms(boxes, scores, labels, img, (64, 96), 0.5, counts)  # one call: fewer than NMS_ROWS
     monkeypatch.setattr(D, 'NMS_ROWS', 10)
     grouped = D._nms(boxes, scores, labels, img, (64, 96), 0.5, counts)
     assert sorted(grouped.tolist()) == sorted(one.tolist()) and len(one) < len(img)

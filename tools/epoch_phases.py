@@ -7,8 +7,8 @@ that waits for the GPU at each phase's ends (so the phases add up; the fit is sl
 of training, of the validation batches' forward and of the whole batches, of `DetectionMAP`'s evaluation, of validation
 and of the epochs, with the last epoch's recorded values. GPU only. Read on an H200 (2026-11-26, FCOS at 128 px, bs 64,
 the task's 6 training and 2 validation batches an epoch, 4 epochs, after validation took one forward): graph: training
-4.14 s, validation forward 0.47 s, COCO evaluation 1.33 s, epochs 6.18 s; uncaptured: 3.65, 0.30, 1.33, 5.45. Before
-(two forwards and torchvision's per-image postprocessing): validation forward 1.40-1.41 s.
+4.14 s, validation forward 0.47 s, COCO evaluation 1.33 s, epochs 6.18 s; uncaptured: 3.65, 0.30, 1.33, 5.45. At commit
+797fef7 (two forwards and torchvision's per-image postprocessing): validation forward 1.40-1.41 s.
 """
 import argparse, time, warnings
 
