@@ -44,7 +44,7 @@ with warnings.catch_warnings():
     from dali_fastai.scenes import SCENE_CODES, fashion_scenes
     from dali_fastai.detectors import (small_detector, BatchedTransform, BatchedFCOS, BatchedRetinaNet, CachedAnchors, padded_targets, unpadded_targets, BoxCheck,
         padded_detections, batch_detections, eval_per_image)
-    from dali_fastai.detection import (fastai_to_targets, fastai_to_padded, DetectionAdapter, detection_loss, DetectionLoss, DetectionTargets, DetectionMAP, DetectionLearner, detection_learner)
+    from dali_fastai.detection import (fastai_to_targets, fastai_to_padded, DetectionAdapter, detection_loss, DetectionLoss, DetectionTargets, coco_backend, DetectionMAP, DetectionLearner, detection_learner)
     from dali_fastai.measure import bench_images, side_by_side, loader_throughput, Throughput, training_throughput, clock_slowdowns
     from dali_fastai.baselines import COMPILED, fastai_aug_tfms, fastai_default_dls, aug_transforms_dls
     from dali_fastai.bench import bench, format_results
@@ -68,7 +68,7 @@ __all__ = ['warp_matrix', 'synthetic_warps', 'rotation_matrix', 'compose_matrice
            'restart_epoch', 'DaliResetCallback', 'FastStep', 'FastOptimizer', 'torch_step', 'on_device', 'HostReads', 'OpCounts', 'GraphCapture',
            'DaliDistributed', 'DaliCheckpoint', 'FASHION_MNIST_CLASSES', 'fashion_mnist_df', 'write_once',
            'fashion_mnist', 'SCENE_CODES', 'fashion_scenes', 'fastai_to_targets', 'fastai_to_padded', 'small_detector', 'BatchedTransform', 'BatchedFCOS', 'BatchedRetinaNet', 'CachedAnchors', 'padded_targets', 'unpadded_targets', 'BoxCheck', 'padded_detections', 'batch_detections', 'eval_per_image',
-           'DetectionAdapter', 'detection_loss', 'DetectionLoss', 'DetectionTargets', 'DetectionMAP',
+           'DetectionAdapter', 'detection_loss', 'DetectionLoss', 'DetectionTargets', 'coco_backend', 'DetectionMAP',
            'DetectionLearner', 'detection_learner', 'bench_images', 'side_by_side', 'loader_throughput',
            'Throughput', 'training_throughput', 'clock_slowdowns', 'COMPILED', 'fastai_aug_tfms', 'fastai_default_dls',
            'aug_transforms_dls', 'bench', 'format_results', 'task_bench', 'detection_bench', 'segmentation_bench',

@@ -6,10 +6,11 @@ Docs: https://dali-fastai.github.io/dali_fastai/detection.html.md"""
 
 # %% auto #0
 __all__ = ['fastai_to_padded', 'fastai_to_targets', 'unpadded', 'DetectionAdapter', 'detection_loss', 'DetectionLoss',
-           'DetectionTargets', 'DetectionMAP', 'DetectionLearner', 'detection_learner']
+           'DetectionTargets', 'coco_backend', 'DetectionMAP', 'DetectionLearner', 'detection_learner']
 
 # %% ../nbs/07c_detection.ipynb #4a531d6b
 from functools import partial
+from importlib.util import find_spec
 import torch
 from torch import nn
 from fastai.callback.core import Callback
@@ -128,6 +129,11 @@ class DetectionTargets(Callback):
         if boxes.shape[1] > self.rows: self.rows = -(-boxes.shape[1] // self.multiple) * self.multiple
         self.learn.xb = (*self.xb, _pad_rows(boxes, self.rows), _pad_rows(labels, self.rows)) # zero rows are bb_pad's padding
 
+# %% ../nbs/07c_detection.ipynb #c3fbaae6
+def coco_backend()->str:
+    "torchmetrics' COCO backend `DetectionMAP` uses: `faster_coco_eval` (C++, the `detection` extra's) where it is installed, else pycocotools; both give COCO's numbers"
+    return 'faster_coco_eval' if find_spec('faster_coco_eval') else 'pycocotools'
+
 # %% ../nbs/07c_detection.ipynb #32233f92
 class DetectionMAP(Metric):
     "COCO mean average precision of a detector's validation predictions (torchmetrics' `MeanAveragePrecision`)"
@@ -143,14 +149,15 @@ class DetectionMAP(Metric):
                                         f"MeanAveragePrecision arguments ({', '.join(kwargs)}): give them to that metric")
             return
         MeanAveragePrecision = _needs('torchmetrics.detection', 'DetectionMAP', 'detection').MeanAveragePrecision
-        self.mean_ap = MeanAveragePrecision(box_format='xyxy', iou_type='bbox', **kwargs)
+        self.mean_ap = MeanAveragePrecision(box_format='xyxy', iou_type='bbox', **{'backend': coco_backend(), **kwargs})
     def reset(self):
         if self.of is None: self.mean_ap.reset()
     def accumulate(self, learn):
         if self.of is not None: return self._check_of(learn) # the other metric accumulates the batch
-        targets = fastai_to_targets(*learn.yb, learn.xb[0].shape[-2:])
-        cpu = lambda ds: [{k: v.detach().cpu() for k,v in d.items()} for d in ds]
-        self.mean_ap.update(cpu(unpadded(learn.pred['detections'])), cpu(targets))
+        cpu = lambda ts: [t.detach().cpu() for t in ts] # the batch's tensors, each in one copy
+        dets = learn.pred['detections']
+        targets = unpadded_targets(*cpu(fastai_to_padded(*learn.yb, learn.xb[0].shape[-2:])))
+        self.mean_ap.update(unpadded(dict(zip(dets, cpu(dets.values())))), targets)
     def _check_of(self, learn):
         if self.of not in getattr(learn, 'metrics', [self.of]):
             raise ValueError(f"DetectionMAP({self.key!r}, of=...) reports the evaluation of a DetectionMAP that is not among the "

@@ -162,7 +162,7 @@ class Task:
     "One task of the step and time-to-accuracy benches: the DataBlock, the learner and the data they are run with"
     model:str          # the model's name, for the tables
     dblock:Callable    # (folder, size) -> fastai's DataBlock
-    learner:Callable   # (dls, cbs, metric:bool) -> a fresh `Learner`, with the task's metric or none (the step bench)
+    learner:Callable   # (dls, cbs, metric:bool, size:int) -> a fresh `Learner`, with the task's metric or none (the step bench), for images of side `size`
     size:int=128       # the task's bench image side
     epochs:int=10      # `task_time_to_accuracy`'s default epochs
     lr:float=1e-3      # and peak learning rate
@@ -174,10 +174,10 @@ def _classification_dblock(root:Path, size:int)->DataBlock:
     return DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=get_image_files, get_y=parent_label,
                      splitter=GrandparentSplitter(valid_name='valid'), **fastai_aug_tfms(size))
 
-def _resnet(d, cbs, metric): return vision_learner(d, torchvision.models.resnet18, pretrained=False, metrics=accuracy if metric else [], cbs=cbs).to_channelslast(amp_mode=AMPMode.BF16)
-def _unet(d, cbs, metric): return unet_learner(d, torchvision.models.resnet34, pretrained=False, metrics=DiceMulti() if metric else [], cbs=cbs).to_channelslast(amp_mode=AMPMode.BF16)
-def _detector(arch:str, d, cbs, metric):
-    model = small_detector(len(d.vocab), d.train.one_batch()[0].shape[-1], arch)
+def _resnet(d, cbs, metric, size): return vision_learner(d, torchvision.models.resnet18, pretrained=False, metrics=accuracy if metric else [], cbs=cbs).to_channelslast(amp_mode=AMPMode.BF16)
+def _unet(d, cbs, metric, size): return unet_learner(d, torchvision.models.resnet34, pretrained=False, metrics=DiceMulti() if metric else [], cbs=cbs).to_channelslast(amp_mode=AMPMode.BF16)
+def _detector(arch:str, d, cbs, metric, size):
+    model = small_detector(len(d.vocab), size, arch) # the size the DataBlock gives, as a user writes it: no batch taken to learn it (a pipeline built, or fastai's workers started)
     return detection_learner(d, model, cbs=cbs, **({} if metric else dict(metrics=[])))
 
 TASKS = {'classification': Task('ResNet-18', _classification_dblock, _resnet, 224, 5, 3e-3, '', partial(bench_images, n_per_class=500)),
@@ -203,7 +203,7 @@ def task_step_bench(task:str, # 'segmentation', 'detection' (FCOS), 'retinanet' 
     device = as_device(device)
     dls = DaliDataLoaders.from_dblock(db, src, bs=bs, device=device, seed=0)
     res = dict(machine=machine_info(device), settings=dict(task=task, size=size or t.size, device=str(device)),
-               rows={f'{t.model} bs {bs}': step_rows(dls, partial(t.learner, metric=False), n_batches, warmup, passes)})
+               rows={f'{t.model} bs {bs}': step_rows(dls, partial(t.learner, metric=False, size=size or t.size), n_batches, warmup, passes)})
     print(format_steps(res))
     return res
 
@@ -245,7 +245,7 @@ def task_time_to_accuracy(task:str, # 'classification' (ResNet-18, accuracy), 's
     for k,(make,cbs) in runs.items():
         res['runs'][k] = []
         for seed in seeds: # each fit said as it ends: a whole run is many minutes
-            r = _fit_once(make, partial(t.learner, metric=True), cbs(), epochs, lr, seed)
+            r = _fit_once(make, partial(t.learner, metric=True, size=size or t.size), cbs(), epochs, lr, seed)
             res['runs'][k].append(r)
             print(f"{task}: {k}, seed {seed}: {r['seconds']:.1f} s ({r['setup']:.1f} s setup, epochs {', '.join(f'{e:.1f}' for e in r['epochs'])}), "
                   f"metric {r['metric']:.4f}", flush=True)

@@ -163,6 +163,31 @@ def test_map_accumulates_batches(batch):
     assert m.value == pytest.approx(0.5) and m.name == 'mar_100'
 
 
+def test_map_backends_agree(batch):
+    "faster_coco_eval (DetectionMAP's backend where installed) gives pycocotools' numbers: noisy boxes, scores and labels over many images"
+    from dali_fastai.detection import coco_backend
+    pytest.importorskip('faster_coco_eval'); pytest.importorskip('pycocotools')
+    x,bx,lb,_,_ = batch
+    g = torch.Generator().manual_seed(0)
+    learns = []
+    for _ in range(6):
+        ts = fastai_to_targets(bx, lb, (H, W))
+        dets = []
+        for t in ts:
+            b = t['boxes'].repeat(3, 1) + 4*torch.randn(3*len(t['boxes']), 4, generator=g) # near misses and hits
+            l = t['labels'].repeat(3); l[torch.rand(len(l), generator=g) < 0.2] = 1 # some wrong classes
+            dets.append({'boxes': b, 'scores': torch.rand(len(l), generator=g), 'labels': l})
+        learns.append(fake_learn(x, bx, lb, dets))
+    def numbers(**kw):
+        m = DetectionMAP(**kw)
+        for learn in learns: m.accumulate(learn)
+        return m.mean_ap._coco_backend.backend,m.numbers() # the backend torchmetrics runs
+    (default,ours),(_,ref) = numbers(),numbers(backend='pycocotools')
+    assert default == coco_backend() == 'faster_coco_eval'
+    for k in ('map', 'map_50', 'map_75', 'mar_1', 'mar_10', 'mar_100'):
+        assert 0.05 < ref[k] < 0.95 and ours[k].item() == pytest.approx(ref[k].item(), abs=1e-6), k
+
+
 @pytest.fixture(scope='module')
 def scene_learner(tmp_path_factory):
     "An untrained detector's `Learner` on DALI loaders over a few embedded scenes (every box scored: its predictions are drawn)"

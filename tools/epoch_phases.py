@@ -44,7 +44,7 @@ def main(task:str='detection', epochs:int=4):
     for graph in (True, False):
         set_seed(0); spent.clear()
         dls = DaliDataLoaders.from_dblock(db, src, bs=64, device='cuda', seed=0)
-        learn = t.learner(dls, [FastStep(graph=graph), Phases()], metric=True)
+        learn = t.learner(dls, [FastStep(graph=graph), Phases()], metric=True, size=t.size)
         learn.metrics = [m := Timed(), Timed('map_50', of=m)]
         with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(epochs, t.lr)
         print(f"graph={graph}: {epochs} epochs of {len(dls.train)} training and {len(dls.valid)} validation batches; seconds in all: "

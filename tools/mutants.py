@@ -136,6 +136,8 @@ MUTANTS = [
     ('detectors', "s = torch.where(s > thresh, s, -1.)", "s = s", "a level's candidates are those above score_thresh, NaN not first"),
     ('detectors', "rank = torch.arange(len(img), device=img.device) - torch.searchsorted(img, torch.arange(n, device=img.device))[img]",
                   "rank = torch.arange(len(img), device=img.device)", "each image keeps its own best detections_per_img"),
+    ('detection', "return 'faster_coco_eval' if find_spec('faster_coco_eval') else 'pycocotools'", "return 'pycocotools'",
+                  "DetectionMAP evaluates with faster_coco_eval where installed"),
 ]
 
 FAST = ['tests/test_defaults.py', 'tests/test_augment_stats.py']
