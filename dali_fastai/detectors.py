@@ -268,7 +268,15 @@ class CachedAnchors(AnchorGenerator):
             anchors = super().forward(image_list, feature_maps)
             if len(kept) < self.max_kept: kept[key] = anchors
         return list(anchors)
-    def __getstate__(self): return {k: v for k,v in self.__dict__.items() if k != '_kept'} # exported without them
+    def set_cell_anchors(self, dtype:torch.dtype, device:torch.device):
+        "torchvision's, but each dtype and device's copy is made from the first cell anchors and kept"
+        copies = self.__dict__.setdefault('_cells', {})
+        first = copies.setdefault(None, self.cell_anchors)
+        if (dtype, device) not in copies: copies[dtype, device] = [c.to(dtype=dtype, device=device) for c in first]
+        self.cell_anchors = copies[dtype, device]
+    def __getstate__(self): # exported without the kept anchors and copies, with the first cell anchors
+        state = {k: v for k,v in self.__dict__.items() if k not in ('_kept', '_cells')}
+        return {**state, 'cell_anchors': self.__dict__.get('_cells', {}).get(None, self.cell_anchors)}
 
 # %% ../nbs/07b_detectors.ipynb #cd46006d
 def small_detector(n_classes:int, # classes, `#na#` (label 0) included: `len(dls.vocab)`

@@ -472,6 +472,21 @@ def test_cached_anchors_are_never_dropped():
     assert all(torch.equal(a, b) and a is not b for a,b in zip(got, again))
 
 
+def test_cached_cell_anchors_are_kept_per_dtype():
+    "Each dtype's cell anchors are made from the first ones and kept: a bf16 batch between two float32 ones frees nothing and rounds nothing"
+    import pickle
+    from torchvision.models.detection.anchor_utils import AnchorGenerator
+    gen = small_detector(5, (64, 96), 'retinanet', fpn_channels=32).anchor_generator
+    plain = AnchorGenerator(gen.sizes, gen.aspect_ratios)
+    cpu = torch.device('cpu')
+    gen.set_cell_anchors(torch.float32, cpu); before = gen.cell_anchors
+    gen.set_cell_anchors(torch.bfloat16, cpu); gen.set_cell_anchors(torch.float32, cpu)
+    assert all(a is b for a,b in zip(gen.cell_anchors, before)) # the same memory: a graph's copy is not freed
+    assert all(torch.equal(a, b) for a,b in zip(gen.cell_anchors, plain.cell_anchors)) # not rounded through bf16
+    back = pickle.loads(pickle.dumps(gen))
+    assert all(a.dtype == torch.float32 and torch.equal(a, b) for a,b in zip(back.cell_anchors, plain.cell_anchors))
+
+
 # validation: one forward of the backbone and head for the losses and the detections (`padded_eval`, `batch_detections`)
 
 @contextmanager

@@ -138,6 +138,9 @@ MUTANTS = [
                   "rank = torch.arange(len(img), device=img.device)", "each image keeps its own best detections_per_img"),
     ('detection', "return 'faster_coco_eval' if find_spec('faster_coco_eval') else 'pycocotools'", "return 'pycocotools'",
                   "DetectionMAP evaluates with faster_coco_eval where installed"),
+    ('detectors', "if (dtype, device) not in copies: copies[dtype, device] = [c.to(dtype=dtype, device=device) for c in first]",
+                  "copies[dtype, device] = [c.to(dtype=dtype, device=device) for c in self.cell_anchors]",
+                  "cell anchors kept per dtype, made from the first ones"),
 ]
 
 FAST = ['tests/test_defaults.py', 'tests/test_augment_stats.py']
