@@ -6,10 +6,10 @@ Docs: https://dali-fastai.github.io/dali_fastai/faststep.html.md"""
 
 # %% auto #0
 __all__ = ['DeviceSmoothLoss', 'DeviceAvgLoss', 'DeviceAvgMetric', 'DeviceAccumMetric', 'on_device', 'HostMirror',
-           'HostSmoothLoss', 'host_losses', 'GraphCapture', 'FastStep', 'HostReads', 'OpCounts']
+           'HostSmoothLoss', 'host_losses', 'GraphCapture', 'GCFreeze', 'FastStep', 'HostReads', 'OpCounts']
 
 # %% ../nbs/07e_faststep.ipynb #2375c90c
-import sys, warnings
+import gc, sys, warnings
 from collections import Counter
 from typing import Callable
 
@@ -178,6 +178,15 @@ class GraphCapture:
         if self.failed or graphed is None: return self._eager(*args)
         return tree_map(torch.clone, graphed(*xs)) # the graph's outputs are overwritten by the next replay
 
+# %% ../nbs/07e_faststep.ipynb #e58f2a34
+class GCFreeze:
+    "Python's collector leaves the objects alive at `start` out of its passes until `stop` (`gc.freeze`), unless some were frozen already"
+    def __init__(self): self.frozen = False
+    def start(self): # after a fit that raised (no `after_fit`) they are still frozen, ours: the next `stop` lets them go
+        if gc.get_freeze_count() == 0: gc.freeze(); self.frozen = True
+    def stop(self):
+        if self.frozen: gc.unfreeze(); self.frozen = False
+
 # %% ../nbs/07e_faststep.ipynb #282aafca
 def _has_conv(model)->bool: return any(isinstance(m, torch.nn.modules.conv._ConvNd) for m in model.modules())
 def _is_channels_last(model)->bool:
@@ -195,9 +204,10 @@ class FastStep(Callback):
                  channels_last:bool|None=None,      # None: on CUDA, for convolutional models not already channels_last
                  fused:bool=True,                   # replace fastai's optimizer with PyTorch's fused/foreach one where exact
                  device_metrics:bool=True,          # smooth the loss and accumulate metrics on the device
+                 freeze_gc:bool=True,               # Python's collector passes over the fit's own objects only (`GCFreeze`)
                 ):
-        store_attr('graph,channels_last,fused,device_metrics')
-        self._warned,self.capture,self._saved = set(),None,None # `validate` and `get_preds` may come before any fit
+        store_attr('graph,channels_last,fused,device_metrics,freeze_gc')
+        self._warned,self.capture,self._saved,self.heap = set(),None,None,GCFreeze() # `validate` and `get_preds` may come before any fit
 
     def _warn(self, msg):
         if msg not in self._warned: self._warned.add(msg); warnings.warn(msg, stacklevel=2)
@@ -243,6 +253,7 @@ class FastStep(Callback):
         finding = any(isinstance(cb, LRFinder) for cb in self.learn.cbs)  # lr_find reads the loss every batch anyway
         if self.device_metrics and not finding and hasattr(self.learn, 'recorder'): self._device_metrics()
         self.capture = GraphCapture(self.learn, self._warn) if self.graph else None
+        if self.freeze_gc: self.heap.start()
 
     def after_loss(self):
         "The training loss as a plain tensor: fastai's loss classes return a `TensorBase`, whose every op (the backward, the smoothing) goes through Python"
@@ -257,6 +268,7 @@ class FastStep(Callback):
         if self.capture: self.capture.release()
         self.capture = None
         self._host_metrics()
+        self.heap.stop()
 
 # %% ../nbs/07e_faststep.ipynb #7b8b9ec8
 class HostReads(TorchFunctionMode):

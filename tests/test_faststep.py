@@ -148,6 +148,28 @@ def test_dali_checkpoint_resume_ends_with_the_same_weights(files, tmp_path):
     for p,q in zip(a.model.parameters(), c.model.parameters()): assert torch.allclose(p, q, atol=1e-6)
 
 
+def test_collector_skips_the_objects_alive_at_the_fit_start(dls, tmp_path):
+    "During a fit Python's collector passes over the fit's own objects (gc.freeze), after it over all again, also after a fit that raised"
+    import gc
+    from fastai.callback.core import Callback
+    class Seen(Callback):
+        def after_batch(self):
+            self.learn.frozen = gc.get_freeze_count()
+            if getattr(self.learn, 'fail', False): raise RuntimeError('stop')
+    learn = learner(dls, tmp_path, cbs=[Seen()])
+    with quiet(learn): learn.fit(1)
+    assert learn.frozen > 10_000 and gc.get_freeze_count() == 0
+    learn.fail = True
+    with quiet(learn), pytest.raises(RuntimeError, match='stop'): learn.fit(1)
+    assert gc.get_freeze_count() > 0 # fastai calls no after_fit on an exception: the next fit's end lets them go
+    learn.fail = False
+    with quiet(learn): learn.fit(1)
+    assert gc.get_freeze_count() == 0
+    slow = learner(make_dls(), tmp_path, fast=False, cbs=[Seen(), FastStep(freeze_gc=False)])
+    with quiet(slow): slow.fit(1)
+    assert slow.frozen == 0
+
+
 def test_fastai_own_loaders(tmp_path):
     "FastStep works with fastai's DataLoaders too"
     from fastai.data.core import DataLoaders

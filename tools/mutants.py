@@ -141,6 +141,7 @@ MUTANTS = [
     ('detectors', "if (dtype, device) not in copies: copies[dtype, device] = [c.to(dtype=dtype, device=device) for c in first]",
                   "copies[dtype, device] = [c.to(dtype=dtype, device=device) for c in self.cell_anchors]",
                   "cell anchors kept per dtype, made from the first ones"),
+    ('faststep', "if self.freeze_gc: self.heap.start()", "pass", "Python's collector skips the objects alive at a fit's start"),
 ]
 
 FAST = ['tests/test_defaults.py', 'tests/test_augment_stats.py']
@@ -159,6 +160,7 @@ SELECTIONS = {  # per module: pytest arguments, relative to the repository root
     'shardindex': ['tests/test_shards.py'],
     'masks': ['tests/test_mask_sampling.py'],
     'steps': ['tests/test_mask_sampling.py'],
+    'faststep': ['tests/test_faststep.py'],
 }
 SELECTIONS['epoch'] = SELECTIONS['loader']  # the batch arithmetic and `DaliEpoch` keep the loader's promises
 ALL_TESTS = ['tests', '--ignore', 'tests/test_notebooks.py']
