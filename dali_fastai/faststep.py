@@ -180,10 +180,10 @@ class GraphCapture:
 
 # %% ../nbs/07e_faststep.ipynb #e58f2a34
 class GCFreeze:
-    "Python's collector leaves the objects alive at `start` out of its passes until `stop` (`gc.freeze`), unless some were frozen already"
+    "Python's collector leaves the objects alive at `start` out of its passes until `stop` (`gc.freeze`, then `gc.unfreeze`)"
     def __init__(self): self.frozen = False
-    def start(self): # after a fit that raised (no `after_fit`) they are still frozen, ours: the next `stop` lets them go
-        if gc.get_freeze_count() == 0: gc.freeze(); self.frozen = True
+    def start(self): # after a fit that raised (no `after_fit`) they are still frozen: the next `stop` lets them go
+        gc.freeze(); self.frozen = True
     def stop(self):
         if self.frozen: gc.unfreeze(); self.frozen = False
 
