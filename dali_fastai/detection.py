@@ -10,7 +10,6 @@ __all__ = ['fastai_to_padded', 'fastai_to_targets', 'unpadded', 'DetectionAdapte
 
 # %% ../nbs/07c_detection.ipynb #4a531d6b
 from functools import partial
-from importlib.util import find_spec
 import torch
 from torch import nn
 from fastai.callback.core import Callback
@@ -131,8 +130,10 @@ class DetectionTargets(Callback):
 
 # %% ../nbs/07c_detection.ipynb #c3fbaae6
 def coco_backend()->str:
-    "torchmetrics' COCO backend `DetectionMAP` uses: `faster_coco_eval` (C++, the `detection` extra's) where it is installed, else pycocotools; both give COCO's numbers"
-    return 'faster_coco_eval' if find_spec('faster_coco_eval') else 'pycocotools'
+    "torchmetrics' COCO backend `DetectionMAP` uses: `faster_coco_eval` (C++, the `detection` extra's) where it imports, else pycocotools"
+    try: import faster_coco_eval # noqa: F401
+    except ImportError: return 'pycocotools'
+    return 'faster_coco_eval'
 
 # %% ../nbs/07c_detection.ipynb #32233f92
 class DetectionMAP(Metric):

@@ -269,7 +269,7 @@ class CachedAnchors(AnchorGenerator):
             if len(kept) < self.max_kept: kept[key] = anchors
         return list(anchors)
     def set_cell_anchors(self, dtype:torch.dtype, device:torch.device):
-        "torchvision's, but each dtype and device's copy is made from the first cell anchors and kept"
+        "torchvision's, but each dtype and device's copy is made from the first cell anchors and kept (so `cell_anchors` set by hand after the first batch is not read)"
         copies = self.__dict__.setdefault('_cells', {})
         first = copies.setdefault(None, self.cell_anchors)
         if (dtype, device) not in copies: copies[dtype, device] = [c.to(dtype=dtype, device=device) for c in first]

@@ -181,11 +181,10 @@ class GraphCapture:
 # %% ../nbs/07e_faststep.ipynb #e58f2a34
 class GCFreeze:
     "Python's collector leaves the objects alive at `start` out of its passes until `stop` (`gc.freeze`, then `gc.unfreeze`)"
-    def __init__(self): self.frozen = False
-    def start(self): # after a fit that raised (no `after_fit`) they are still frozen: the next `stop` lets them go
-        gc.freeze(); self.frozen = True
+    frozen = False # for every `GCFreeze`: what a fit stopped by an exception left frozen, the next `stop` lets go
+    def start(self): gc.freeze(); GCFreeze.frozen = True
     def stop(self):
-        if self.frozen: gc.unfreeze(); self.frozen = False
+        if GCFreeze.frozen: gc.unfreeze(); GCFreeze.frozen = False
 
 # %% ../nbs/07e_faststep.ipynb #282aafca
 def _has_conv(model)->bool: return any(isinstance(m, torch.nn.modules.conv._ConvNd) for m in model.modules())
@@ -253,7 +252,6 @@ class FastStep(Callback):
         finding = any(isinstance(cb, LRFinder) for cb in self.learn.cbs)  # lr_find reads the loss every batch anyway
         if self.device_metrics and not finding and hasattr(self.learn, 'recorder'): self._device_metrics()
         self.capture = GraphCapture(self.learn, self._warn) if self.graph else None
-        if self.freeze_gc: self.heap.start()
 
     def after_loss(self):
         "The training loss as a plain tensor: fastai's loss classes return a `TensorBase`, whose every op (the backward, the smoothing) goes through Python"
@@ -261,6 +259,7 @@ class FastStep(Callback):
         self.learn.loss_grad,self.learn.loss = self.loss_grad.as_subclass(torch.Tensor),self.loss.as_subclass(torch.Tensor)
 
     def before_train(self):
+        if self.freeze_gc and not GCFreeze.frozen: self.heap.start() # training's, not `get_preds`' or `validate`'s
         if self.capture: self.capture.install()
     def before_validate(self):
         if self.capture: self.capture.remove()

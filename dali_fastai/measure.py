@@ -215,7 +215,7 @@ def _fit_once(make_dls:Callable, # () -> the run's DataLoaders
         warnings.simplefilter('ignore')
         learn.fit_one_cycle(epochs, lr, cbs=clock)
     res = dict(seconds=time.perf_counter() - start, setup=setup, epochs=clock.seconds(), metric=float(learn.recorder.values[-1][-1]))
-    _let_go()
+    del learn; _let_go() # the learner's cycles collected here, not in the next run's time
     return res
 
 # %% ../nbs/08_measure.ipynb #79d31232

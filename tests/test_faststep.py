@@ -149,7 +149,7 @@ def test_dali_checkpoint_resume_ends_with_the_same_weights(files, tmp_path):
 
 
 def test_collector_skips_the_objects_alive_at_the_fit_start(dls, tmp_path):
-    "During a fit Python's collector passes over the fit's own objects (gc.freeze), after it over all again, also after a fit that raised"
+    "During training Python's collector passes over the fit's own objects (gc.freeze), after the fit over all again; a fit stopped by an error leaves them frozen until the next fit or get_preds ends; get_preds freezes nothing"
     import gc
     from fastai.callback.core import Callback
     class Seen(Callback):
@@ -162,14 +162,16 @@ def test_collector_skips_the_objects_alive_at_the_fit_start(dls, tmp_path):
     assert learn.frozen > 10_000 and gc.get_freeze_count() == 0
     learn.fail = True
     with quiet(learn), pytest.raises(RuntimeError, match='stop'): learn.fit(1)
-    assert gc.get_freeze_count() > 0 # fastai calls no after_fit on an exception: the next fit's end lets them go
+    assert gc.get_freeze_count() > 0 # fastai calls no after_fit on an error
     learn.fail = False
-    with quiet(learn): learn.fit(1)
+    learn.get_preds() # another call's end lets them go
     assert gc.get_freeze_count() == 0
+    gc.freeze(); n = gc.get_freeze_count()
+    learn.get_preds(); learn.validate() # no training: nothing frozen, nothing let go
+    assert gc.get_freeze_count() > n - 10_000; gc.unfreeze() # (frozen objects that are dropped leave the count)
     slow = learner(make_dls(), tmp_path, fast=False, cbs=[Seen(), FastStep(freeze_gc=False)])
     with quiet(slow): slow.fit(1)
     assert slow.frozen == 0
-
 
 def test_fastai_own_loaders(tmp_path):
     "FastStep works with fastai's DataLoaders too"

@@ -136,12 +136,12 @@ MUTANTS = [
     ('detectors', "s = torch.where(s > thresh, s, -1.)", "s = s", "a level's candidates are those above score_thresh, NaN not first"),
     ('detectors', "rank = torch.arange(len(img), device=img.device) - torch.searchsorted(img, torch.arange(n, device=img.device))[img]",
                   "rank = torch.arange(len(img), device=img.device)", "each image keeps its own best detections_per_img"),
-    ('detection', "return 'faster_coco_eval' if find_spec('faster_coco_eval') else 'pycocotools'", "return 'pycocotools'",
+    ('detection', "    return 'faster_coco_eval'", "    return 'pycocotools'",
                   "DetectionMAP evaluates with faster_coco_eval where installed"),
     ('detectors', "if (dtype, device) not in copies: copies[dtype, device] = [c.to(dtype=dtype, device=device) for c in first]",
                   "copies[dtype, device] = [c.to(dtype=dtype, device=device) for c in self.cell_anchors]",
                   "cell anchors kept per dtype, made from the first ones"),
-    ('faststep', "if self.freeze_gc: self.heap.start()", "pass", "Python's collector skips the objects alive at a fit's start"),
+    ('faststep', "if self.freeze_gc and not GCFreeze.frozen: self.heap.start()", "pass", "Python's collector skips the objects alive at a fit's start"),
 ]
 
 FAST = ['tests/test_defaults.py', 'tests/test_augment_stats.py']
