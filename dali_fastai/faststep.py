@@ -180,11 +180,14 @@ class GraphCapture:
 
 # %% ../nbs/07e_faststep.ipynb #e58f2a34
 class GCFreeze:
-    "Python's collector leaves the objects alive at `start` out of its passes until `stop` (`gc.freeze`, then `gc.unfreeze`)"
-    frozen = False # for every `GCFreeze`: what a fit stopped by an exception left frozen, the next `stop` lets go
-    def start(self): gc.freeze(); GCFreeze.frozen = True
-    def stop(self):
-        if GCFreeze.frozen: gc.unfreeze(); GCFreeze.frozen = False
+    "Python's collector leaves the objects alive at `start` out of its passes until `stop` (`gc.freeze`, then `gc.unfreeze`); one state for the process"
+    frozen = False # a freeze of ours is on (one a fit stopped by an exception left too): the next `stop` lets it go
+    @classmethod
+    def start(cls):
+        if not cls.frozen: gc.freeze(); cls.frozen = True
+    @classmethod
+    def stop(cls):
+        if cls.frozen: gc.unfreeze(); cls.frozen = False
 
 # %% ../nbs/07e_faststep.ipynb #282aafca
 def _has_conv(model)->bool: return any(isinstance(m, torch.nn.modules.conv._ConvNd) for m in model.modules())
@@ -206,7 +209,7 @@ class FastStep(Callback):
                  freeze_gc:bool=True,               # Python's collector passes over the fit's own objects only (`GCFreeze`)
                 ):
         store_attr('graph,channels_last,fused,device_metrics,freeze_gc')
-        self._warned,self.capture,self._saved,self.heap = set(),None,None,GCFreeze() # `validate` and `get_preds` may come before any fit
+        self._warned,self.capture,self._saved = set(),None,None # `validate` and `get_preds` may come before any fit
 
     def _warn(self, msg):
         if msg not in self._warned: self._warned.add(msg); warnings.warn(msg, stacklevel=2)
@@ -259,7 +262,7 @@ class FastStep(Callback):
         self.learn.loss_grad,self.learn.loss = self.loss_grad.as_subclass(torch.Tensor),self.loss.as_subclass(torch.Tensor)
 
     def before_train(self):
-        if self.freeze_gc and not GCFreeze.frozen: self.heap.start() # training's, not `get_preds`' or `validate`'s
+        if self.freeze_gc: GCFreeze.start() # training's, not `get_preds`' or `validate`'s (no `before_train`)
         if self.capture: self.capture.install()
     def before_validate(self):
         if self.capture: self.capture.remove()
@@ -267,7 +270,7 @@ class FastStep(Callback):
         if self.capture: self.capture.release()
         self.capture = None
         self._host_metrics()
-        self.heap.stop()
+        GCFreeze.stop()
 
 # %% ../nbs/07e_faststep.ipynb #7b8b9ec8
 class HostReads(TorchFunctionMode):

@@ -141,7 +141,7 @@ MUTANTS = [
     ('detectors', "if (dtype, device) not in copies: copies[dtype, device] = [c.to(dtype=dtype, device=device) for c in first]",
                   "copies[dtype, device] = [c.to(dtype=dtype, device=device) for c in self.cell_anchors]",
                   "cell anchors kept per dtype, made from the first ones"),
-    ('faststep', "if self.freeze_gc and not GCFreeze.frozen: self.heap.start()", "pass", "Python's collector skips the objects alive at a fit's start"),
+    ('faststep', "if self.freeze_gc: GCFreeze.start()", "pass", "Python's collector skips the objects alive at a fit's start"),
 ]
 
 FAST = ['tests/test_defaults.py', 'tests/test_augment_stats.py']
