@@ -208,17 +208,21 @@ def parser()->argparse.ArgumentParser:
                        "batches; print a table")
     b.add_argument('path', nargs='?', default=None, help="ImageNet-style folder; default: a set made from scikit-image's "
                    "sample photos (see --n-per-class); detection: a COCO folder, default the embedded scenes")
-    b.add_argument('--task', choices=['classification', 'detection', 'segmentation', 'shards', 'accuracy', 'step'], default='classification',
+    b.add_argument('--task', choices=['classification', 'detection', 'segmentation', 'shards', 'accuracy', 'step', 'session'],
+                   default='classification',
                    help="classification, or detection or segmentation: DALI's loader beside fastai's on one DataBlock; shards: "
                    "the folder's loader beside loaders over its WebDataset and TFRecord shards; accuracy: time to accuracy, "
                    "the first of --archs trained --epochs from scratch on fastai's loaders and on dali_fastai's, with and "
                    "without FastStep (default set: bench_images(n_per_class=2000)); step: the training step side by side (a "
                    "plain PyTorch loop, fastai, fastai + FastStep, + FastStep(graph=True)) for --archs at bs 64 and 256 "
-                   "(--bs: one of them), then a U-Net and FCOS on the embedded scenes (GPU)")
+                   "(--bs: one of them), then a U-Net and FCOS on the embedded scenes (GPU); session: a fastai user's session "
+                   "(loaders, lr_find, fine_tune(--epochs, default 3), get_preds, 5 predicts) on fastai's loaders, dali_fastai's, "
+                   "+ FastStep and + FastStep(graph=True), each in a fresh process, phase by phase")
     b.add_argument('--peers', action='store_true', help="also time the loaders users would pick instead: GPU decoding with "
                    "fastai's, Kornia's or torchvision's augmentations (with --task detection or segmentation, those that "
                    "take boxes or masks); needs pip install 'dali-fastai[bench]'")
-    b.add_argument('--epochs', type=int, default=5, help="--task accuracy: epochs of each run (default: 5)")
+    b.add_argument('--epochs', type=int, default=None, help="--task accuracy: epochs of each run (default: 5); session: "
+                   "fine_tune's (default: 3)")
     b.add_argument('--size', type=int, default=None, help="image side in pixels (default: 224; detection, segmentation: 128)")
     b.add_argument('--bs', type=int, default=None, help="batch size (default: 256; detection, segmentation, accuracy: 64, fastai's default)")
     b.add_argument('--device', choices=['cpu', 'gpu'], default=None, help="default: the GPU if one is visible")
@@ -272,16 +276,21 @@ def _saved(res, out, name:str):
     return res
 
 def _bench(task:str, path, n_per_class:int, size:int|None, bs:int|None, archs:str|None, fastai_loader:bool, out:str,
-           scale:bool=False, sizes:str='', epochs:int=5, peers:bool=False, **kwargs):
+           scale:bool=False, sizes:str='', epochs:int|None=None, peers:bool=False, **kwargs):
     "`bench`, `detection_bench`, `segmentation_bench`, `shards_bench`, `time_to_accuracy`, `step_bench` or `scale_bench`, each with its own defaults for what the command line leaves unset"
     from dali_fastai.measure import bench_images
     from dali_fastai.bench import bench
     from dali_fastai.taskbench import detection_bench, segmentation_bench, scale_bench, shards_bench, time_to_accuracy
     if scale:
         return _saved(scale_bench(tuple(int(n) for n in sizes.split(',') if n), path), out, 'scale.json')
+    if task == 'session':
+        from dali_fastai.sessionbench import session_bench, VARIANTS
+        for k in ('n_batches', 'warmup', 'passes'): kwargs.pop(k, None)
+        variants = VARIANTS if fastai_loader else VARIANTS[1:]
+        return _saved(session_bench(path, variants, size=size or 224, bs=bs or 64, epochs=epochs or 3, **kwargs), out, 'session.json')
     if task == 'accuracy':
         for k in ('n_batches', 'warmup', 'passes'): kwargs.pop(k, None)
-        return _saved(time_to_accuracy(path, (archs or 'resnet18').split(',')[0], epochs, size=size or 224, bs=bs or 64,
+        return _saved(time_to_accuracy(path, (archs or 'resnet18').split(',')[0], epochs or 5, size=size or 224, bs=bs or 64,
                                        **kwargs), out, 'accuracy.json')
     if task == 'step':
         from dali_fastai.stepbench import step_bench, task_step_bench

@@ -357,7 +357,7 @@ class DaliDataLoaders(DataLoaders):
                 process:bool|None=None, # unused: fastai's `Interpretation` passes it; DALI processes every item
                 **kwargs, # changed `DaliDataLoader` settings, e.g. `bs`
                )->DaliDataLoader: # an in-order, validation-style loader
-        "A loader over `test_items` that decodes the way the validation loader does"
+        "A loader over `test_items` that decodes the way the validation loader does, through one pipeline kept for all such loaders"
         if rm_type_tfms is not None: raise ValueError("rm_type_tfms is not supported by DaliDataLoaders")
         mem = InMemoryImages([o[0] if isinstance(o, tuple) else o for o in test_items])
         items = self.valid.items.new(mem.files, owner=mem)  # the in-memory images' files live as long as the items
@@ -366,7 +366,20 @@ class DaliDataLoaders(DataLoaders):
             t = self.valid.items.targets[0]
             if t.vocab is not None: _unseen(labels, t.vocab, 'test_items')
             items = ImageItems(mem.files, targets=[t.encode_like(labels)], owner=mem)
-        return self.valid.new(items=items, shuffle=False, drop_last=False, **kwargs)
+        # `predict` makes one of these a call: the pipeline, fed each call's files, is built at the first and kept
+        return self.valid.new(items=items, shuffle=False, drop_last=False, **kwargs).fed_by(self._fed_pipelines)
+
+    @property
+    def _fed_pipelines(self)->list:
+        "The pipelines `test_dl`'s loaders read through, a pair `(settings, FedSource)` each (`DaliDataLoader.fed_by`)"
+        if '_test_pipes' not in self.__dict__: self._test_pipes = []
+        return self._test_pipes
+
+    def close(self):
+        "Free every DALI pipeline of these loaders (train, valid, `test_dl`'s): the next `iter()` of a loader builds its own again"
+        for dl in self.loaders: dl.close()
+        for _,src in self._fed_pipelines: src.close()
+        self._test_pipes.clear()
 
     def add_tfms(self, tfms:list, # fastai transforms
                  event:str, # 'after_batch' (DALI does everything before it)

@@ -6,14 +6,15 @@ Docs: https://dali-fastai.github.io/dali_fastai/epoch.html.md"""
 
 # %% auto #0
 __all__ = ['n_batches', 'shard_sizes', 'batches_per_rank', 'interleaved_order', 'as_device', 'dali_device_id', 'priority_stream',
-           'DaliEpoch', 'derived_seed', 'PipelineSource', 'to_device_async']
+           'DaliEpoch', 'derived_seed', 'PipelineSource', 'FileFeed', 'FedSource', 'to_device_async']
 
 # %% ../nbs/04_epoch.ipynb #42a6f309
-import base64, functools, os
+import base64, functools, os, time
 from contextlib import contextmanager
 import numpy as np
 import torch
 from fastai.torch_core import num_distrib
+from nvidia.dali import fn, types
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
 # %% ../nbs/04_epoch.ipynb #08f11991
@@ -120,9 +121,13 @@ class DaliEpoch:
 
     @property
     def left(self)->int: return self.n - self.taken
-    def drain(self):
+    def drain(self, seconds:float|None=None, # give up after this long; None: read to the end
+             )->bool: # whether the epoch was read to its end
         "Read what is left of DALI's epoch, so the iterator is at the start of the next one"
-        for _ in self: pass
+        end = None if seconds is None else time.perf_counter() + seconds
+        for _ in self:
+            if end is not None and time.perf_counter() > end: return False
+        return True
 
 # %% ../nbs/04_epoch.ipynb #8f7b1784
 _RANK_STREAM = 1 << 20  # a rank's augmentation seed is derived from (seed, build, _RANK_STREAM, rank)
@@ -139,6 +144,7 @@ class PipelineSource:
                 ):
         self.names = names
         self.it,self.key,self.builds,self.order_seed,self.resume = None,None,0,None,None
+        self.epoch,self.build_s = None,0.  # the epoch being read from `it`; how long its build took
 
     def iterator(self, key, # what the pipeline is built for (e.g. recipe and shard): another key rebuilds it
                  make, # `make(seed, order_seed, checkpoint)` → a DALI `Pipeline` whose reader is named 'Reader' (not kept: no cycle)
@@ -158,13 +164,19 @@ class PipelineSource:
         checkpoint = None if resume is None else base64.b64decode(resume['dali'])
         policy = LastBatchPolicy.DROP if drop_last else LastBatchPolicy.PARTIAL
         # seeds of its own per build, so a rebuilt loader does not replay the first epoch (or the one `load` left)
-        pipe = make(derived_seed(seed, build, *stream), order_seed, checkpoint)
-        self.it,self.key = DALIGenericIterator([pipe], self.names, reader_name='Reader', last_batch_policy=policy,
-                                               auto_reset=True, prepare_first_batch=False),key
+        start = time.perf_counter()
+        # the old pipeline is freed only once the new one is built: a decoder alive meanwhile spares the JPEG decoder's start
+        self.it,self.key,self.epoch = self._wrap(make(derived_seed(seed, build, *stream), order_seed, checkpoint), policy),key,None
+        self.build_s = time.perf_counter() - start
         return self.it
 
-    def close(self): self.it,self.key = None,None
-    def __getstate__(self): return {**self.__dict__, 'it': None, 'key': None, 'resume': None}  # DALI's cannot be pickled
+    def _wrap(self, pipe, policy)->DALIGenericIterator:
+        "DALI's iterator over `pipe` (it builds the pipeline), an epoch the size of the reader's"
+        return DALIGenericIterator([pipe], self.names, reader_name='Reader', last_batch_policy=policy, auto_reset=True,
+                                   prepare_first_batch=False)
+
+    def close(self): self.it,self.key,self.epoch = None,None,None
+    def __getstate__(self): return {**self.__dict__, 'it': None, 'key': None, 'resume': None, 'epoch': None}  # DALI's cannot be pickled
     def state(self)->dict:
         "Build number, order seed and DALI's checkpoint (reader positions, random generators), JSON-ready"
         return {'build': self.builds - 1, 'order_seed': self.order_seed,
@@ -174,6 +186,60 @@ class PipelineSource:
         self.close()
         self.builds = state['build'] + 1
         if state['dali'] is not None: self.resume = state
+
+# %% ../nbs/04_epoch.ipynb #4f8656cf
+class FileFeed:
+    "The encoded files (and each item's side files) of the items read now, `bs` at a time with their indices: an `fn.external_source` callback"
+    def __init__(self, bs:int, # the largest batch
+                 n_sides:int=0, # side files per item (e.g. a mask)
+                ): self.bs,self.n_sides,self.files,self.sides,self.pos = bs,n_sides,[],[],0
+
+    def start(self, files:list, # image files of this epoch's items
+              sides:list=(), # `n_sides` lists of their side files
+             ):
+        "Serve `files` from the first, in order"
+        if len(sides) != self.n_sides: raise ValueError(f"this feed reads {self.n_sides} side files an item, got {len(sides)} lists")
+        self.files,self.sides,self.pos = list(files),[list(s) for s in sides],0
+
+    def __call__(self)->tuple:
+        "The next batch: encoded images, indices (int32, shape (1,)), then each side's encoded files; `StopIteration` after the last"
+        if self.pos >= len(self.files): raise StopIteration
+        idx = range(self.pos, min(self.pos + self.bs, len(self.files)))
+        self.pos = idx.stop
+        read = lambda fs: [np.fromfile(fs[i], dtype=np.uint8) for i in idx]
+        return (read(self.files), [np.array([i], dtype=np.int32) for i in idx], *map(read, self.sides))
+
+    def reader(self, **_)->tuple:
+        "The pipeline's nodes (encoded, index, *sides), in the place of a file reader's (`classification_pipeline`'s `reader`)"
+        return tuple(fn.external_source(source=self, num_outputs=2 + self.n_sides, batch=True,
+                                        dtype=[types.UINT8, types.INT32] + [types.UINT8]*self.n_sides))
+
+# %% ../nbs/04_epoch.ipynb #6742fbe0
+class FedSource(PipelineSource):
+    "A `PipelineSource` whose pipeline reads the files it is handed at each epoch's start (`FileFeed`): built once for many item sets"
+    def __init__(self, names:list, # the pipeline's outputs' names
+                 bs:int, # the largest batch
+                 n_sides:int=0, # side files per item
+                ):
+        super().__init__(names)
+        self.feed,self.ran = FileFeed(bs, n_sides),False
+
+    def start(self, files:list, # this epoch's image files
+              sides:list, # and their side files
+              *args, **kwargs, # `iterator`'s arguments
+             )->DALIGenericIterator:
+        "The iterator, built now if there is none, at the start of an epoch over `files`"
+        it = self.iterator(*args, **kwargs)
+        self.feed.start(files, sides)
+        if self.ran: it.reset()  # the last epoch ended (a loader drains or closes an abandoned one): DALI asks for the new files now
+        self.ran = True
+        return it
+
+    def _wrap(self, pipe, policy)->DALIGenericIterator:
+        "DALI's iterator over `pipe`: the epoch ends when the feed does; reset at each `start`, after the feed has its files"
+        self.ran = False
+        return DALIGenericIterator([pipe], self.names, last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=False,
+                                   prepare_first_batch=False)
 
 # %% ../nbs/04_epoch.ipynb #70bd57e4
 def to_device_async(t:torch.Tensor, # a small tensor DALI made on the host (a crop window, a matrix)

@@ -27,7 +27,7 @@ from .augment import synthetic_warps
 from dali_fastai.items import (ImageItems, usable_items, FULL_CHECK_LIMIT, _is_decode_failure, _read_failure,
     _decode_failure)
 from .epoch import (n_batches, batches_per_rank, interleaved_order, as_device, dali_device_id,
-    priority_stream, DaliEpoch, PipelineSource, derived_seed, _RANK_STREAM, to_device_async)
+    priority_stream, DaliEpoch, PipelineSource, FedSource, derived_seed, _RANK_STREAM, to_device_async)
 from .pipeline import classification_pipeline, augment, HW_DECODER_LOAD
 from .recipe import ImageRecipe, geometry_outputs
 from .translate import _recipes
@@ -60,6 +60,16 @@ def _work_after(after_batch:Pipeline)->Pipeline|None:
     fs = getattr(after_batch, 'fs', None)
     return None if fs is not None and all(type(t) is DaliNormalize for t in fs) else after_batch
 
+def _same(a, b)->bool:
+    "Whether two settings are the same: arrays by value, lists, tuples and dicts item by item, others by `==` (transforms: by identity)"
+    if a is b: return True
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray): return np.array_equal(a, b)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) == type(b) and len(a) == len(b) and all(map(_same, a, b))
+    if isinstance(a, dict) and isinstance(b, dict): return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    try: return bool(a == b)
+    except (TypeError, ValueError, RuntimeError): return False  # e.g. tensors of other shapes
+
 class DaliDataLoader:
     "A fastai-style loader over one DALI pipeline; every `iter()` is a whole, fresh epoch"
     def __init__(self,
@@ -79,7 +89,7 @@ class DaliDataLoader:
                  crop_pct:float=0.875, # validation with keywords: centre crop's share of the resized shorter side
                  hw_decoder_load:float=HW_DECODER_LOAD, # GPU: share of JPEGs for the hardware JPEG decoder (A100, H100, H200)
                  priority_stream:bool=True, # GPU: while iterated, PyTorch works on a high-priority stream (`priority_stream`)
-                 drain_limit:int=4, # an abandoned epoch with at most this many batches left is drained, else rebuilt
+                 drain_limit:int|None=None, # an abandoned epoch: None drains it while that is quicker than the pipeline's build was, else builds anew; a number drains it when at most that many batches are left
                  skip_bad_files:bool=False, # leave out files that fail `check_images` (with one warning), instead of raising
                  check_files:bool=True, # check the files' headers before reading them (False: trust them)
                  item_tfms:list|None=None, # fastai item transforms (`Resize`, `RandomResizedCrop`...), compiled into DALI
@@ -110,8 +120,15 @@ class DaliDataLoader:
         self._sides = [t for t in self.items.targets if t.side_files is not None]
         self._source = PipelineSource(['images', 'index'] + (['window', 'matrix'] if self._geometric else []) +
                                       [f'side{k}_{n}' for k,t in enumerate(self._sides) for n in t.side_names])
-        self._epoch,self._epoch_no,self._taken_at_resume,self._peeks = None,0,0,0
+        self._fed,self._epoch_no,self._taken_at_resume,self._peeks = False,0,0,0
         self.rank,self.world_size = 0,1
+
+    @property
+    def _epoch(self)->DaliEpoch|None:
+        "The epoch being read from this loader's pipeline: its source's, shared with the loaders `new` made alike"
+        return self._source.epoch
+    @_epoch.setter
+    def _epoch(self, e): self._source.epoch = e
 
     @property
     def split_idx(self)->int:
@@ -169,6 +186,11 @@ class DaliDataLoader:
         for t,e in zip(sides, side_encoded): outs += tuple(t.graph(e, outs[1], outs[2], self.recipe, device_id))
         return outs
 
+    def _side_files(self)->list:
+        "Each item's other files, a list for each kind: the side targets' (masks), then the box files `RandomBoxCrop` reads"
+        boxes = self._box_files
+        return [t.side_files for t in self._sides] + ([boxes] if boxes is not None else [])
+
     def _pipeline(self, seed, order_seed, checkpoint=None):
         "A DALI pipeline reading this loader's items, labelled by their index, through its recipe"
         files,idx = self.items.files,list(range(len(self.items.files)))  # records in shards: the items' `read` reads them
@@ -176,22 +198,48 @@ class DaliDataLoader:
             idx = interleaved_order(len(files), self.bs, self.world_size)
             files = [files[i] for i in idx]
         device_id = dali_device_id(self.device)
-        boxes = self._box_files
-        side = [[f[i] for i in idx] for f in [t.side_files for t in self._sides] + ([boxes] if boxes is not None else [])]
+        # fed (`fed_by`): the feed serves the files of each epoch, sides included; else a reader over these items
+        side = [] if self._fed else [[f[i] for i in idx] for f in self._side_files()]
         return classification_pipeline(files, idx, self.bs, partial(self._graph, device_id), device_id, self.shuffle, seed,
                                        self.num_threads, self.prefetch, self.rank, self.world_size, order_seed, checkpoint,
-                                       side_files=side, reader=self.items.read, host_labels=self._geometric)
+                                       side_files=side, reader=self._source.feed.reader if self._fed else self.items.read,
+                                       host_labels=self._geometric)
 
     def _iterator(self)->DALIGenericIterator:
         "The DALI iterator for the current split and shard (the order is the same on every rank; augmentation differs)"
-        stream = () if self.world_size == 1 else (_RANK_STREAM, self.rank)
+        stream,key = () if self.world_size == 1 else (_RANK_STREAM, self.rank),(self.split_idx, self.rank, self.world_size)
+        if self._fed: return self._source.start(self.items.files, self._side_files(), key, self._pipeline, self.seed, stream)
         # sharded: PARTIAL, and the epoch stops every rank at `len(self)` (DALI's DROP repeats padding samples then)
-        return self._source.iterator((self.split_idx, self.rank, self.world_size), self._pipeline, self.seed, stream,
-                                     drop_last=self.drop_last and self.world_size == 1)
+        return self._source.iterator(key, self._pipeline, self.seed, stream, drop_last=self.drop_last and self.world_size == 1)
 
     def close(self):
-        "Free the DALI pipeline and its memory; the next `iter()` builds a new one"
-        self._source.close(); self._epoch = None
+        "Free the DALI pipeline and its memory (for the loaders sharing it too); the next `iter()` builds a new one"
+        self._source.close()
+
+    def _detach(self):
+        "A pipeline of this loader's own from now on, for settings that changed; loaders that shared the old one keep it"
+        old,self._fed = self._source,False
+        self._source = PipelineSource(old.names)
+        self._source.builds,self._source.order_seed = old.builds,old.order_seed  # a rebuilt loader draws seeds anew
+
+    def _settings(self)->dict:
+        "What this loader's pipeline is made from, but its items: its settings and augmentation, split and shard"
+        return {**{k: getattr(self, k) for k in _loader_settings(type(self)) if k not in ('items', 'num_workers')}, **self.aug,
+                'split': self.split_idx, 'shard': (self.rank, self.world_size)}
+
+    def fed_by(self, pool:list, # `(settings, FedSource)` pairs kept by the owner of the loaders (`DaliDataLoaders.test_dl`)
+               keep:int=4, # at most this many pipelines in `pool`; the oldest goes first
+              )->'DaliDataLoader': # this loader
+        "Read through a pipeline fed each epoch's files (`FedSource`), the one in `pool` for these settings: one build for every item set"
+        if self.world_size > 1 or self.items.read is not None: return self  # a shard, or records: only a reader reads them
+        self._fed,me = True,self._settings()
+        src = next((s for k,s in pool if _same(k, me)), None)
+        if src is None:
+            src = FedSource(self._source.names, self.bs)
+            pool.append((me, src))
+            del pool[:-keep]
+        self._source = src
+        return self
 
     def shard(self, rank:int, # this process's rank, `0 .. world_size-1`
               world_size:int, # number of processes, each reading its own shard
@@ -206,7 +254,7 @@ class DaliDataLoader:
                                               "with seed=..., or pass the seed rank 0 drew (DaliDistributed does)")
             self.seed = seed
             if self._auto_warps: self._set_warps(synthetic_warps(len(self.aug['warps']), self.aug.get('warp_magnitude', 0.1), seed))
-        if (rank, world_size) != (self.rank, self.world_size): self.close()
+        if (rank, world_size) != (self.rank, self.world_size): self._detach()
         self.rank,self.world_size = rank,world_size
         return self
 
@@ -214,7 +262,7 @@ class DaliDataLoader:
         "Use these fixed warps (the recipes are made anew with them)"
         self.aug['warps'] = np.asarray(warps, dtype=np.float32)
         self.recipes = _recipes(self.size, self.mean, self.std, self.crop_pct, self.item_tfms, self.batch_tfms, self.aug)
-        self.close()
+        self._detach()
 
     def state_dict(self)->dict:
         "Where this loader is (epoch, batches taken, DALI's reader positions and random generators), as JSON-ready values"
@@ -233,7 +281,7 @@ class DaliDataLoader:
         diff = [f"{k} {state[k]} there, {v} here" for k,v in here.items() if state[k] != v]
         if diff: raise ValueError(f"this state is from a different loader ({', '.join(diff)}): resume with the same "
                                   "items, bs and number of ranks")
-        self.close()
+        self._detach()
         if state['warps'] is not None: self._set_warps(state['warps'])
         self._epoch_no = state['epoch']
         self._source.load(state)
@@ -243,10 +291,11 @@ class DaliDataLoader:
         "Make the next `iter()` start a whole epoch, whatever happened to the last one"
         e,self._epoch = self._epoch,None
         if e is None or e.done: return
-        if e.left > self.drain_limit: return self._source.close()
-        try: e.drain()
+        if self.drain_limit is not None and e.left > self.drain_limit: return self._source.close()
+        try: drained = e.drain(None if self.drain_limit is not None else self._source.build_s)
         except BaseException:  # e.g. Ctrl-C while draining: the iterator's state is unknown, so it is never reused
             self._source.close(); raise
+        if not drained: self._source.close()  # reading the rest took longer than a build: build anew
 
     def __iter__(self):
         with priority_stream(self.device, self.priority_stream): yield from self._batches()
@@ -364,12 +413,15 @@ class DaliDataLoader:
         args = {k: getattr(self, k) for k in _loader_settings(type(self))}
         if kwargs.get('train', self.train) != self.train:  # the other split's defaults
             args.update(shuffle=None, drop_last=None)
-        return type(self)(**{**args, **self.aug, **kwargs})
+        dl = type(self)(**{**args, **self.aug, **kwargs})
+        # nothing changed (fastai's `get_preds` and `tta` ask for this loader in order): the same pipeline serves both
+        if dl.items is self.items and not self._fed and _same(dl._settings(), self._settings()): dl._source = self._source
+        return dl
 
     def to(self, device):
         "Move batches (and DALI's work) to `device`; the pipeline is rebuilt there on the next `iter()`"
         device = as_device(device)
-        if device != self.device: self.close()
+        if device != self.device: self._detach()
         self.device = device
         return self
 
@@ -394,8 +446,8 @@ class DaliDataLoader:
         self.mean,self.std = mean,std
         self.recipes = tuple(r.with_normalize(mean, std) for r in self.recipes)
         self.after_batch = _after_batch(self.recipes[0])
-        self.close()
+        self._detach()
 
     def __getstate__(self):
         "Pickle the settings, never the DALI pipeline (it cannot be pickled): it is rebuilt on the next `iter()`"
-        return {**self.__dict__, '_epoch': None, '_taken_at_resume': 0}
+        return {**self.__dict__, '_taken_at_resume': 0}

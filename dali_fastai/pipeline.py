@@ -178,7 +178,7 @@ def classification_pipeline(files:list, # image paths
                             order_seed:int|None=None, # seed of the first epoch's order; default: `seed` (DDP ranks share it)
                             checkpoint:bytes|None=None, # a DALI checkpoint of this pipeline to resume from
                             side_files:list=(), # other files of each item (e.g. its mask), one list each, read in step with `files`
-                            reader=None, # instead of `files` and `labels`: `reader(shuffle, shard_id, num_shards, order_seed)` → (encoded, labels) nodes
+                            reader=None, # instead of `files` and `labels`: `reader(shuffle, shard_id, num_shards, order_seed)` → (encoded, labels, *side encoded) nodes
                             host_labels:bool=False, # give the labels on the host even on a GPU (for work done there with them)
                            )->Pipeline: # outputs `images`, `labels` (N,1) int32 on the pipeline's device (or the host), then `images`' other outputs
     "The body every pipeline here shares: (shuffled) reader → `images(encoded)`, and the labels beside them"
@@ -191,9 +191,9 @@ def classification_pipeline(files:list, # image paths
     pipe = new_pipeline(bs, device_id, num_threads, seed, prefetch, checkpoint)
     with pipe:
         kw = dict(shuffle=shuffle, shard_id=shard_id, num_shards=num_shards, seed=lockstep)
-        if reader is not None: encoded,lbls = reader(shuffle=shuffle, shard_id=shard_id, num_shards=num_shards, order_seed=order_seed)
-        else: encoded,lbls = read_files(files, labels, **kw)
-        side = [read_files(s, list(range(len(s))), name=f'Side{k}', **kw)[0] for k,s in enumerate(side_files)]
+        if reader is not None: encoded,lbls,*side = reader(shuffle=shuffle, shard_id=shard_id, num_shards=num_shards, order_seed=order_seed)
+        else: (encoded,lbls),side = read_files(files, labels, **kw),[]
+        side += [read_files(s, list(range(len(s))), name=f'Side{k}', **kw)[0] for k,s in enumerate(side_files)]
         outs = images(encoded, *side)
         outs = outs if isinstance(outs, tuple) else (outs,)
         pipe.set_outputs(outs[0], lbls if host_labels else on_device(lbls, device_id), *outs[1:])
