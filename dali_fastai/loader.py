@@ -28,7 +28,7 @@ from dali_fastai.items import (ImageItems, usable_items, FULL_CHECK_LIMIT, _is_d
     _decode_failure)
 from .epoch import (n_batches, batches_per_rank, interleaved_order, as_device, dali_device_id,
     priority_stream, DaliEpoch, PipelineSource, FedSource, derived_seed, _RANK_STREAM, to_device_async)
-from .pipeline import classification_pipeline, augment, HW_DECODER_LOAD
+from .pipeline import classification_pipeline, augment, keep_decoder, HW_DECODER_LOAD
 from .recipe import ImageRecipe, geometry_outputs
 from .translate import _recipes
 from .nodes import _op_names
@@ -198,6 +198,7 @@ class DaliDataLoader:
             idx = interleaved_order(len(files), self.bs, self.world_size)
             files = [files[i] for i in idx]
         device_id = dali_device_id(self.device)
+        keep_decoder(device_id, self.hw_decoder_load)  # the JPEG decoder's start paid once a process (see `keep_decoder`)
         # fed (`fed_by`): the feed serves the files of each epoch, sides included; else a reader over these items
         side = [] if self._fed else [[f[i] for i in idx] for f in self._side_files()]
         return classification_pipeline(files, idx, self.bs, partial(self._graph, device_id), device_id, self.shuffle, seed,

@@ -7,7 +7,8 @@ Docs: https://dali-fastai.github.io/dali_fastai/pipeline.html.md"""
 # %% auto #0
 __all__ = ['HW_DECODER_LOAD', 'HW_DECODER_HINT', 'IMAGENET_MEAN', 'IMAGENET_STD', 'read_files', 'shuffled', 'decoder_args',
            'decode_random_crop', 'decode_center_crop', 'augment_steps', 'augment', 'normalize', 'default_threads',
-           'new_pipeline', 'classification_pipeline', 'train_pipeline', 'valid_pipeline']
+           'new_pipeline', 'classification_pipeline', 'keep_decoder', 'release_decoders', 'train_pipeline',
+           'valid_pipeline']
 
 # %% ../nbs/03c_pipeline.ipynb #e5c43764
 import os
@@ -215,6 +216,24 @@ def _normalized_pipeline(files:list, # image paths
     "`classification_pipeline` whose images are `decode(encoded)`, normalized: what `train_pipeline` and `valid_pipeline` share"
     def images(encoded): return normalize(decode(encoded, device_id, hw_decoder_load), mean, std, dtype)
     return classification_pipeline(files, labels, bs, images, device_id, **kwargs)
+
+# %% ../nbs/03c_pipeline.ipynb #26d69be0
+_KEPT = {}  # GPU id → a built pipeline of one image decoder, kept for the process
+
+def keep_decoder(device_id:int|None, # the GPU of the pipeline being built; None (DALI's CPU backend): nothing is kept
+                 hw_decoder_load:float=HW_DECODER_LOAD, # the decoders' backends to keep started: as the pipelines' own
+                ):
+    "Keep one image decoder alive on `device_id` for the process, so that nvImageCodec's JPEG decoder starts once, not at each build after all pipelines were freed"
+    if device_id is None or device_id in _KEPT: return
+    pipe = Pipeline(batch_size=1, num_threads=1, device_id=device_id, prefetch_queue_depth=1)
+    with pipe: pipe.set_outputs(fn.decoders.image(fn.external_source(name='kept', dtype=types.UINT8), device='mixed',
+                                                  output_type=types.RGB, hw_decoder_load=hw_decoder_load))
+    pipe.build()
+    _KEPT[device_id] = pipe
+
+def release_decoders():
+    "Let the kept decoders go: the next GPU pipeline's build starts the JPEG decoder again"
+    _KEPT.clear()
 
 # %% ../nbs/03c_pipeline.ipynb #73af98f4
 @delegates(_normalized_pipeline)
