@@ -158,3 +158,23 @@ def test_fast_step_fit_with_sync_batchnorm_says_so_once(files, tmp_path, monkeyp
     if not said: assert notes == []; return
     assert len(notes) == 1, "once a process, not once a fit"
     assert '0.79x' in notes[0] and '2026-11-23' in notes[0] and 'learn.distrib_ctx(sync_bn=False)' in notes[0]
+
+
+# ---------------------------------------------------------------- the DDP bench (tools/ddp_bench.py; run on GPUs by the lead)
+
+def test_ddp_bench_has_a_graph_row_and_scales_to_every_count(tmp_path, monkeypatch):
+    "`--compare N`: every case on 1, 2, 4 ... N GPUs, kept as it goes, one table with a ratio per count; the graph is a row"
+    from helpers import load_tool
+    ddp = load_tool('ddp_bench')
+    assert ('--fast-step', '--graph') in [tuple(extra) for _,extra in ddp.CASES]
+    assert [ddp.gpu_counts(n) for n in (1, 2, 4, 6)] == [[1], [1, 2], [1, 2, 4], [1, 2, 4, 6]]
+    assert ddp.n_per_class_for(9000, 4)*0.8*len(ddp.BENCH_PHOTOS)/4 >= 9000 and ddp.n_per_class_for(10, 1) == 2000
+    runs = []
+    monkeypatch.setattr(ddp, 'run_case', lambda n, args: runs.append((n, tuple(args))) or 100.0*n)
+    out = tmp_path/'rows.json'
+    ddp.compare([1, 2], ['--bs', '8'], 8, out)
+    assert len(runs) == 2*len(ddp.CASES) - 1, "sync_bn on one GPU is the row before it"
+    ddp.compare([1, 2], ['--bs', '8'], 8, out)
+    assert len(runs) == 2*len(ddp.CASES) - 1, "a second run skips the cases kept in --out"
+    t = ddp.table(json.loads(out.read_text()), [1, 2], 8)
+    assert '| 1 GPU | 2 GPUs | 2 vs 1 |' in t and '| fastai + dali_fastai + FastStep(graph=True), `distrib_ctx(sync_bn=False)` | 100 | 200 | 2.00x |' in t
