@@ -44,6 +44,7 @@ def main():
     p.add_argument('--n-valid', type=int, default=23); p.add_argument('--bs', type=int, default=4)
     p.add_argument('--fast-step', action='store_true', help="train with FastStep (fused optimizer, metrics on the device)")
     p.add_argument('--graph', action='store_true', help="train with FastStep(graph=True): forward and backward as CUDA graphs")
+    p.add_argument('--seed', type=int, default=None, help="the training loader's seed (default: rank 0 draws one)")
     a = p.parse_args()
     faulthandler.enable()  # a crash in C++ (gloo, DALI) prints every thread's Python stack to the test's stderr
     rank, world = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])
@@ -54,7 +55,7 @@ def main():
         time.sleep(0.2)
         files = sorted((out/'images').glob('*.png'))
     train,valid = index_items(files[:a.n_train]),index_items(files[a.n_train:])
-    train_dl = DaliDataLoader(train, bs=a.bs, size=8, train=True, device=a.device, warp_mode=None)
+    train_dl = DaliDataLoader(train, bs=a.bs, size=8, train=True, device=a.device, warp_mode=None, seed=a.seed)
     dls = DaliDataLoaders(train_dl, DaliDataLoader(valid, bs=a.bs, size=8, device=a.device), path=out, device=train_dl.device)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(3*8*8, MAX_INDEX))
