@@ -195,6 +195,9 @@ def torchrun_command(argv:list, # the command's arguments, as typed: `['train', 
 def _check_launch(task:str, device:str|None, gpus:int):
     "Errors the processes would each meet, said once before starting them"
     if task != 'classification': raise ValueError(f"gpus={gpus}: several processes train classification only for now, not {task}")
+    import importlib.util
+    if importlib.util.find_spec('accelerate') is None:
+        raise ValueError(f"gpus={gpus}: fastai's distrib_ctx needs accelerate, which is not installed: pip install 'dali-fastai[ddp]'")
     if device == 'cpu': return
     import torch
     n = torch.cuda.device_count()

@@ -373,3 +373,12 @@ def test_launch_errors_name_flags(args, msg):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the message for a machine without a GPU")
 def test_gpus_without_a_gpu_says_device_cpu():
     with pytest.raises(SystemExit, match=r'--gpus 2 but PyTorch sees no GPU: pass --device cpu'): cli.main(['train', '--gpus', '2'])
+
+
+def test_gpus_without_accelerate_says_which_extra(monkeypatch):
+    "fastai's distrib_ctx needs accelerate: said once, before any process starts, with the extra that brings it"
+    import importlib.util
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, 'find_spec', lambda name, *a: None if name == 'accelerate' else find(name, *a))
+    with pytest.raises(SystemExit, match=r"--gpus 2: fastai's distrib_ctx needs accelerate.*dali-fastai\[ddp\]"):
+        cli.main(['train', '--gpus', '2', '--device', 'cpu'])

@@ -74,6 +74,8 @@ def test_graph_and_eager_train_alike_under_ddp(tmp_path):
     _torchrun(tmp_path/'graph', '--graph', '--seed', '3', device='gpu')
     eager,graph = _ranks(tmp_path/'eager', 'ddp_valid')[0],_ranks(tmp_path/'graph', 'ddp_valid')[0]
     assert all(abs(a - b) <= 1e-3*max(1, abs(a)) for a,b in zip(eager, graph)), (eager, graph)
+    weights = [_ranks(tmp_path/k, 'weights')[0] for k in ('eager', 'graph')]
+    assert abs(weights[0] - weights[1]) <= 1e-4*max(1, abs(weights[0])), f"the same weights after the fit: {weights}"
 
 
 # ---------------------------------------------------------------- one process: why a DDP model is not captured
