@@ -382,3 +382,15 @@ def test_gpus_without_accelerate_says_which_extra(monkeypatch):
     monkeypatch.setattr(importlib.util, 'find_spec', lambda name, *a: None if name == 'accelerate' else find(name, *a))
     with pytest.raises(SystemExit, match=r"--gpus 2: fastai's distrib_ctx needs accelerate.*dali-fastai\[ddp\]"):
         cli.main(['train', '--gpus', '2', '--device', 'cpu'])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="dali-fastai train --gpus 2: needs 2 GPUs (the lead's GPU machine)")
+def test_train_on_two_gpus_with_the_graph():
+    "`dali-fastai train --gpus 2 --graph`: NCCL, one GPU a process, the model captured (no fallback message), one last line"
+    r = _command('train', '--gpus', '2', '--graph', '--epochs', '2', '--size', '28')
+    assert r.returncode == 0, r.stderr[-3000:]
+    done = [l for l in r.stdout.splitlines() if l.startswith('done: ')]
+    assert len(done) == 1 and ', 2 processes) in ' in done[0] and 'cuda' in done[0], r.stdout
+    assert 'FastStep(graph=True):' not in r.stderr, r.stderr[-3000:]
+    assert float(done[0].split('accuracy ')[1].split()[0]) > 0.5, done[0]
