@@ -1,6 +1,6 @@
 """The `dali-fastai` command: a folder without valid/, --valid-pct, --pretrained with no network (one line, no traceback),
 nothing heavy imported before the arguments are parsed, detection folders laid out otherwise, and errors in flags"""
-import json, shutil, subprocess, sys
+import json, os, shutil, subprocess, sys
 from inspect import signature
 from pathlib import Path
 from urllib.error import URLError
@@ -308,10 +308,15 @@ def test_bench_accuracy_at_fastais_batch_size(tmp_path, monkeypatch):
 
 # ---------------------------------------------------------------- FastStep, and several processes (torchrun)
 
+def _env()->dict:
+    "This process's environment, this checkout's package first on PYTHONPATH (torchrun's processes inherit it), one thread a process"
+    path = os.pathsep.join([str(Path(__file__).resolve().parents[1]), *filter(None, [os.environ.get('PYTHONPATH')])])
+    return {**os.environ, 'PYTHONPATH': path, 'OMP_NUM_THREADS': '1'}
+
+
 def _command(*args, timeout=420)->subprocess.CompletedProcess:
-    "`dali-fastai` with `args` in a new process, this checkout's package first (torchrun's processes inherit PYTHONPATH)"
-    root = str(Path(__file__).resolve().parents[1])
-    env = {**__import__('os').environ, 'PYTHONPATH': root, 'OMP_NUM_THREADS': '1'}
+    "`dali-fastai` with `args` in a new process (`_env`)"
+    env = _env()
     return subprocess.run([sys.executable, '-c', 'from dali_fastai.cli import main; main()', *args], capture_output=True,
                           text=True, timeout=timeout, env=env)
 
@@ -347,8 +352,7 @@ def test_train_as_two_nodes(tmp_path):
     import socket
     data = image_folder(tmp_path/'data', n=8)
     with socket.socket() as s: s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]
-    root = str(Path(__file__).resolve().parents[1])
-    env = {**__import__('os').environ, 'PYTHONPATH': root, 'OMP_NUM_THREADS': '1'}
+    env = _env()
     nodes = [subprocess.Popen([sys.executable, '-c', 'from dali_fastai.cli import main; main()', 'train', str(data),
                                '--gpus', '1', '--nnodes', '2', '--node-rank', str(k), '--master-addr', '127.0.0.1',
                                '--master-port', str(port), '--device', 'cpu', '--epochs', '1', '--size', '16', '--bs', '2'],

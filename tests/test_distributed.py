@@ -180,7 +180,8 @@ def test_docs_train_script(tmp_path):
             for i in range(n): Image.fromarray(np.full((12, 12, 3), colour + i, np.uint8)).save(tmp_path/'data'/split/c/f'{i}.png')
     (tmp_path/'train.py').write_text(docs_train_script(tmp_path/'data'))
     with socket.socket() as s: s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]
-    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONPATH': str(HERE.parent), 'TORCH_HOME': str(tmp_path/'torch')}
+    path = os.pathsep.join([str(HERE.parent), *filter(None, [os.environ.get('PYTHONPATH')])])  # this checkout's package first
+    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONPATH': path, 'TORCH_HOME': str(tmp_path/'torch')}
     r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', '2', '--master_port', str(port),
                         str(tmp_path/'train.py')], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -31,7 +31,8 @@ def _torchrun(tmp_path, *args, device='cpu')->subprocess.CompletedProcess:
     with socket.socket() as s: s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', '2', '--master_port', str(port),
            str(HERE/'ddp_worker.py'), str(tmp_path), '--device', device, *args]
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    path = os.pathsep.join([str(HERE.parent), *filter(None, [os.environ.get('PYTHONPATH')])])  # this checkout's package first
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONPATH': path})
     assert r.returncode == 0, r.stderr[-3000:]
     return r
 
