@@ -14,6 +14,8 @@ from collections import Counter
 from typing import Callable
 
 import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
@@ -25,8 +27,9 @@ from fastai.callback.schedule import LRFinder
 from fastai.learner import AvgLoss, AvgMetric, AvgSmoothLoss, Recorder
 from fastai.metrics import AccumMetric
 from fastai.optimizer import Optimizer
-from fastai.torch_core import TensorBase, find_bs, flatten_check, to_detach
+from fastai.torch_core import TensorBase, find_bs, flatten_check, rank_distrib, to_detach
 from .fastopt import FastOptimizer, torch_step
+from .distributed import say_sync_bn
 
 # %% ../nbs/07e_faststep.ipynb #f87763a3
 def _on_device(x, learn=None):
@@ -126,19 +129,36 @@ class GraphCapture:
     "The model's training forward and backward replayed as CUDA graphs, one for each of a few shapes of its tensor inputs"
     max_graphs = 4 # shapes captured at most; batches of another shape run uncaptured
     def __init__(self, learn, warn:Callable):
-        self.model,self.warn,self.graphs,self.failed = learn.model,warn,{},None
+        # under DDP the module inside is captured: DDP's hooks all-reduce the gradients its replayed backward hands to autograd
+        self.learn,self.warn,self.graphs,self.failed,self.checked_ddp = learn,warn,{},None,False
+        self.model = learn.model.module if isinstance(learn.model, DistributedDataParallel) else learn.model
         why = self._refusal()
         if why: self._fail(why)
 
     def _refusal(self)->str|None:
         m = self.model
-        if not any(True for _ in m.parameters()) or not next(m.parameters()).is_cuda: return "the model is not on a CUDA device"
-        if isinstance(m, torch.nn.parallel.DistributedDataParallel): return "a DDP-wrapped model is not captured"
+        if not any(True for _ in m.parameters()) or not next(m.parameters()).is_cuda:
+            ddp = f" (DDP over {dist.get_backend()} on the CPU)" if dist.is_available() and dist.is_initialized() else ''
+            return f"the model is not on a CUDA device{ddp}"
         if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks: return "the model has hooks, which a graph would skip"
+
+    def _ddp_refusal(self)->str|None:
+        "What keeps the DDP wrapping the model (fastai's `DistributedTrainer` wraps it after `before_fit`) from training it captured"
+        ddp = self.learn.model
+        if not isinstance(ddp, DistributedDataParallel) or ddp.module is not self.model: return None
+        if ddp.find_unused_parameters:
+            return ("DDP's find_unused_parameters=True looks for the parameters a forward left unused in its autograd graph, "
+                    "where a capture leaves one node using them all: build the model without unused parameters and leave it False")
+        if any(isinstance(l, torch.nn.SyncBatchNorm) for l in self.model.modules()):
+            return ("the model has SyncBatchNorm layers, whose statistics every forward exchanges between the GPUs, outside "
+                    "what a graph can hold: use learn.distrib_ctx(sync_bn=False), each GPU's BatchNorm on its own batch")
+        backend = dist.get_backend(ddp.process_group)
+        if backend != 'nccl': return f"DDP's process group runs on {backend}, and CUDA graphs train under DDP over NCCL only"
 
     def _fail(self, why:str):
         self.failed = why
-        self.warn(f"FastStep(graph=True): {why}; training goes on with the uncaptured fast step")
+        # said by the first process only: every rank fails for the same reason
+        if rank_distrib() == 0: self.warn(f"FastStep(graph=True): {why}; training goes on with the uncaptured fast step")
 
     def _eager(self, *args, **kwargs): return type(self.model).forward(self.model, *args, **kwargs)
     def install(self):
@@ -168,6 +188,9 @@ class GraphCapture:
         if not self.model.training or not torch.is_grad_enabled(): return self._eager(*args, **kwargs)
         if (kwargs or not args or not all(isinstance(a, torch.Tensor) for a in args)) and not self.failed:
             self._fail("the model takes keywords or inputs that are not tensors, and only tensor inputs are captured")
+        if not self.checked_ddp and not self.failed:
+            self.checked_ddp = True
+            if why := self._ddp_refusal(): self._fail(why)
         if self.failed: return self._eager(*args, **kwargs)
         xs = tuple(a.as_subclass(torch.Tensor) for a in args)
         key = tuple((x.shape, x.dtype, x.device) for x in xs)
@@ -262,6 +285,7 @@ class FastStep(Callback):
         self.learn.loss_grad,self.learn.loss = self.loss_grad.as_subclass(torch.Tensor),self.loss.as_subclass(torch.Tensor)
 
     def before_train(self):
+        say_sync_bn(self.learn) # once a process; fastai's DistributedTrainer has made its SyncBatchNorms by now
         if self.freeze_gc: GCFreeze.start() # training's, not `get_preds`' or `validate`'s (no `before_train`)
         if self.capture: self.capture.install()
     def before_validate(self):

@@ -3,7 +3,10 @@
 Run by tests/test_distributed.py on the CPU (gloo):  python -m torch.distributed.run --nproc_per_node 2 tests/ddp_worker.py OUT
 (and as two "nodes" of two processes: --nnodes 2 --node_rank 0|1 --master_addr 127.0.0.1, then --check OUT 4)
 On GPUs:  torchrun --nproc_per_node 2 tests/ddp_worker.py OUT --device gpu && python tests/ddp_worker.py --check OUT
-`--fast-step` trains with `FastStep()`: the same checks hold (the metrics gathered across ranks on the device)."""
+`--fast-step` trains with `FastStep()`: the same checks hold (the metrics gathered across ranks on the device); `--graph`
+with `FastStep(graph=True)` (captured on a GPU; on the CPU it says why not, once, and trains uncaptured). Every rank
+writes the sum of its weights after the fit: equal on every rank only if DDP averaged every step's gradients.
+On GPUs with the graph:  torchrun --nproc_per_node 2 tests/ddp_worker.py OUT --device gpu --graph && python tests/ddp_worker.py --check OUT"""
 import argparse, faulthandler, json, math, os, sys, time
 from pathlib import Path
 
@@ -26,9 +29,13 @@ from dali_fastai.faststep import FastStep
 class Record(Callback):
     "The items of every batch, by phase and epoch"
     order = 100
-    def before_fit(self): self.seen = {'train': [], 'valid': []}
+    def before_fit(self): self.seen,self.graphs = {'train': [], 'valid': []},None
     def before_epoch(self): self.seen['train'].append([]); self.seen['valid'].append([])
     def after_batch(self): self.seen['train' if self.training else 'valid'][-1] += self.yb[0].tolist()
+    def after_train(self):
+        "What `FastStep(graph=True)` captured (read before its `after_fit` lets the graphs go)"
+        cap = next((cb.capture for cb in self.learn.cbs if isinstance(cb, FastStep) and cb.capture), None)
+        self.graphs = None if cap is None else dict(n=len(cap.graphs), failed=cap.failed)
 
 
 def main():
@@ -36,6 +43,8 @@ def main():
     p.add_argument('out'); p.add_argument('--device', default='cpu'); p.add_argument('--n-train', type=int, default=61)
     p.add_argument('--n-valid', type=int, default=23); p.add_argument('--bs', type=int, default=4)
     p.add_argument('--fast-step', action='store_true', help="train with FastStep (fused optimizer, metrics on the device)")
+    p.add_argument('--graph', action='store_true', help="train with FastStep(graph=True): forward and backward as CUDA graphs")
+    p.add_argument('--seed', type=int, default=None, help="the training loader's seed (default: rank 0 draws one)")
     a = p.parse_args()
     faulthandler.enable()  # a crash in C++ (gloo, DALI) prints every thread's Python stack to the test's stderr
     rank, world = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])
@@ -46,16 +55,17 @@ def main():
         time.sleep(0.2)
         files = sorted((out/'images').glob('*.png'))
     train,valid = index_items(files[:a.n_train]),index_items(files[a.n_train:])
-    train_dl = DaliDataLoader(train, bs=a.bs, size=8, train=True, device=a.device, warp_mode=None)
+    train_dl = DaliDataLoader(train, bs=a.bs, size=8, train=True, device=a.device, warp_mode=None, seed=a.seed)
     dls = DaliDataLoaders(train_dl, DaliDataLoader(valid, bs=a.bs, size=8, device=a.device), path=out, device=train_dl.device)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(3*8*8, MAX_INDEX))
     rec = Record()
-    learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), metrics=accuracy,
-                    cbs=[DaliDistributed(), rec, *([FastStep()] if a.fast_step else [])])
+    fast = [FastStep(graph=a.graph)] if a.fast_step or a.graph else []
+    learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), metrics=accuracy, cbs=[DaliDistributed(), rec, *fast])
     kw = dict(sync_bn=False, cpu=True) if a.device == 'cpu' else {}
     with learn.distrib_ctx(**kw):
         with learn.no_bar(): learn.fit(2, 1e-2)
+        graphs = rec.graphs
         seen,ddp_valid = rec.seen,learn.recorder.values[-1][1:]
         lens = [len(learn.dls.train), len(learn.dls.valid)]
         with learn.no_bar(): preds,targs = learn.get_preds()
@@ -64,7 +74,8 @@ def main():
     learn.dls.valid.shard(0, 1)
     after_unshard = sum(len(y) for _,y in learn.dls.valid)
     whole = learn.validate()  # outside the context: one process, the whole validation set
-    res = dict(rank=rank, world=world, lens=lens, opt=type(learn.opt).__name__, seen=seen, targs=targs.tolist(), n_preds=len(preds),
+    weights = sum(p.detach().double().sum().item() for p in learn.model.parameters())
+    res = dict(rank=rank, world=world, graphs=graphs, weights=weights, lens=lens, opt=type(learn.opt).__name__, seen=seen, targs=targs.tolist(), n_preds=len(preds),
                ddp_valid=[float(v) for v in ddp_valid], whole_valid=[float(v) for v in whole],
                restored=restored, seed=dls.train.seed, device=str(dls.train.device), after_ctx=after_ctx, after_unshard=after_unshard)
     (out/f'rank{rank}.json').write_text(json.dumps(res))
@@ -92,6 +103,8 @@ def check(out:Path, n_train:int=61, n_valid:int=23, bs:int=4, world:int=2)->str:
     assert a['seen']['train'][0] != a['seen']['train'][1], "a new order every epoch"
     assert all(r['targs'] == list(range(n_train, n_train + n_valid)) for r in ranks), "get_preds: every item, in order"
     assert all(r['ddp_valid'] == a['ddp_valid'] for r in ranks)
+    assert all(math.isclose(r['weights'], a['weights'], rel_tol=1e-9) for r in ranks), \
+        f"the same weights on every rank after the fit (DDP averaged every step's gradients): {[r['weights'] for r in ranks]}"
     assert all(r['restored'] == [1]*len(r['restored']) for r in ranks), "the metrics kept after a fit hold one value each, not one a rank"
     assert sum(r['after_ctx'] for r in ranks) == n_valid, "right after the context, learn.dls still read the shards"
     assert all(r['after_unshard'] == n_valid for r in ranks), "shard(0, 1) takes the whole set back"

@@ -1,6 +1,6 @@
 """The `dali-fastai` command: a folder without valid/, --valid-pct, --pretrained with no network (one line, no traceback),
 nothing heavy imported before the arguments are parsed, detection folders laid out otherwise, and errors in flags"""
-import json, shutil, subprocess, sys
+import json, os, shutil, subprocess, sys
 from inspect import signature
 from pathlib import Path
 from urllib.error import URLError
@@ -304,3 +304,97 @@ def test_bench_accuracy_at_fastais_batch_size(tmp_path, monkeypatch):
     cli.main(['bench', str(tmp_path), '--task', 'accuracy', '--device', 'cpu', '--out', str(tmp_path)])
     cli.main(['bench', str(tmp_path), '--task', 'accuracy', '--device', 'cpu', '--bs', '128', '--out', str(tmp_path)])
     assert [k['bs'] for k in calls] == [64, 128]
+
+
+# ---------------------------------------------------------------- FastStep, and several processes (torchrun)
+
+def _env()->dict:
+    "This process's environment, this checkout's package first on PYTHONPATH (torchrun's processes inherit it), one thread a process"
+    path = os.pathsep.join([str(Path(__file__).resolve().parents[1]), *filter(None, [os.environ.get('PYTHONPATH')])])
+    return {**os.environ, 'PYTHONPATH': path, 'OMP_NUM_THREADS': '1'}
+
+
+def _command(*args, timeout=420)->subprocess.CompletedProcess:
+    "`dali-fastai` with `args` in a new process (`_env`)"
+    env = _env()
+    return subprocess.run([sys.executable, '-c', 'from dali_fastai.cli import main; main()', *args], capture_output=True,
+                          text=True, timeout=timeout, env=env)
+
+
+def test_train_flags_for_fast_step_reach_train(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(cli, 'train', spy(cli.train, seen))
+    cli.main(['train', '--fast-step', '--graph'])
+    assert seen == {'fast_step': True, 'graph': True}, "the launch flags (--gpus ...) are torchrun's, not train's"
+
+
+def test_train_with_fast_step(tmp_path, capsys):
+    "`--fast-step` (`fast_step=True`): FastStep among the callbacks, PyTorch's fused step in place, the usual last line"
+    from dali_fastai.faststep import FastStep
+    learn = cli.train(image_folder(tmp_path/'data', n=8), epochs=1, size=16, bs=4, device='cpu', seed=0, progress=False, fast_step=True)
+    assert any(isinstance(cb, FastStep) and not cb.graph for cb in learn.cbs)
+    assert type(learn.opt).__name__ == 'FastOptimizer'
+    assert capsys.readouterr().out.splitlines()[-1].startswith('done: 1 epoch of resnet18 on 16 images (cpu) in ')
+
+
+def test_train_on_two_processes_on_the_cpu():
+    "`dali-fastai train --gpus 2 --device cpu`: torchrun, 2 gloo processes, DDP; the first process alone prints, with the metrics"
+    r = _command('train', '--gpus', '2', '--device', 'cpu', '--epochs', '1', '--size', '28')
+    assert r.returncode == 0, r.stderr[-3000:]
+    done = [l for l in r.stdout.splitlines() if l.startswith('done: ')]
+    assert len(done) == 1 and done[0].startswith('done: 1 epoch of resnet18 on 3000 images (cpu, 2 processes) in '), r.stdout
+    assert 'valid_loss' in done[0] and 'accuracy 0.' in done[0]
+    assert sum(l.startswith('loaders (') for l in r.stdout.splitlines()) == 1
+
+
+def test_train_as_two_nodes(tmp_path):
+    "Two machines as torchrun sees them, here two commands on this host: `--nnodes 2 --node-rank 0|1 --master-addr`"
+    import socket
+    data = image_folder(tmp_path/'data', n=8)
+    with socket.socket() as s: s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]
+    env = _env()
+    nodes = [subprocess.Popen([sys.executable, '-c', 'from dali_fastai.cli import main; main()', 'train', str(data),
+                               '--gpus', '1', '--nnodes', '2', '--node-rank', str(k), '--master-addr', '127.0.0.1',
+                               '--master-port', str(port), '--device', 'cpu', '--epochs', '1', '--size', '16', '--bs', '2'],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for k in range(2)]
+    try: outs = [n.communicate(timeout=300) for n in nodes]
+    finally:
+        for n in nodes: n.kill()
+    assert all(n.returncode == 0 for n in nodes), '\n'.join(err[-2000:] for _,err in outs)
+    assert 'done: 1 epoch of resnet18 on 16 images (cpu, 2 processes) in ' in outs[0][0], outs[0][0]
+    assert 'done: ' not in outs[1][0], "rank 0 alone prints"
+
+
+@pytest.mark.parametrize('args,msg', [
+    (['--gpus', '2', '--task', 'detection', '--device', 'cpu'], '--gpus 2: several processes train classification only'),
+    (['--gpus', '1', '--nnodes', '2', '--device', 'cpu'], '--nnodes 2 needs --master-addr'),
+    (['--gpus', '2', '--nnodes', '2', '--node-rank', '2', '--master-addr', 'a', '--device', 'cpu'], '--node-rank 2 must be in 0..1'),
+], ids=['detection', 'no-master-addr', 'node-rank'])
+def test_launch_errors_name_flags(args, msg):
+    with pytest.raises(SystemExit, match=msg): cli.main(['train', *args])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the message for a machine without a GPU")
+def test_gpus_without_a_gpu_says_device_cpu():
+    with pytest.raises(SystemExit, match=r'--gpus 2 but PyTorch sees no GPU: pass --device cpu'): cli.main(['train', '--gpus', '2'])
+
+
+def test_gpus_without_accelerate_says_which_extra(monkeypatch):
+    "fastai's distrib_ctx needs accelerate: said once, before any process starts, with the extra that brings it"
+    import importlib.util
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, 'find_spec', lambda name, *a: None if name == 'accelerate' else find(name, *a))
+    with pytest.raises(SystemExit, match=r"--gpus 2: fastai's distrib_ctx needs accelerate.*dali-fastai\[ddp\]"):
+        cli.main(['train', '--gpus', '2', '--device', 'cpu'])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="dali-fastai train --gpus 2: needs 2 GPUs (the lead's GPU machine)")
+def test_train_on_two_gpus_with_the_graph():
+    "`dali-fastai train --gpus 2 --graph`: NCCL, one GPU a process, the model captured (no fallback message), one last line"
+    r = _command('train', '--gpus', '2', '--graph', '--epochs', '3', '--size', '28')
+    assert r.returncode == 0, r.stderr[-3000:]
+    done = [l for l in r.stdout.splitlines() if l.startswith('done: ')]
+    assert len(done) == 1 and ', 2 processes) in ' in done[0] and 'cuda' in done[0], r.stdout
+    assert 'FastStep(graph=True):' not in r.stderr, r.stderr[-3000:]
+    assert float(done[0].split('accuracy ')[1].split()[0]) > 0.3, done[0]  # 10 classes: chance is 0.1

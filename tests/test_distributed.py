@@ -158,6 +158,36 @@ def test_two_nodes_of_two_processes(tmp_path):
     ddp_worker.check(tmp_path, world=4)
 
 
+def docs_train_script(folder:Path)->str:
+    "The distributed notebook's `train.py`, as written, with its folder, batch size, image size, model and epochs swapped for small ones"
+    cells = json.loads((HERE.parent/'nbs'/'07a_distributed.ipynb').read_text())['cells']
+    text = next(''.join(c['source']) for c in cells if c['cell_type'] == 'markdown' and 'where `train.py` is' in ''.join(c['source']))
+    script = text.split('where `train.py` is an ordinary fastai script:\n```python\n')[1].split('```')[0]
+    # small data, no download of pretrained weights (no network here): each swap must find its text, or the docs changed
+    for old,new in [("'/data/imagenette'", repr(str(folder))), ('bs=256', 'bs=4'), ('size=224', 'size=16'),
+                    ('resnet50,', 'resnet18, pretrained=False,'), ('fit_one_cycle(5,', 'fit_one_cycle(1,')]:
+        assert script.count(old) == 1, f"the docs' train.py no longer has {old!r}: update this test's swaps"
+        script = script.replace(old, new)
+    return script
+
+
+def test_docs_train_script(tmp_path):
+    "The docs' train.py, run as the docs say (`torchrun --nproc_per_node 2 train.py`), on the CPU: it trains and ends well"
+    pytest.importorskip('accelerate', reason="fastai's distrib_ctx needs accelerate (a dev dependency)")
+    for split,n in (('train', 8), ('valid', 4)):
+        for c,colour in (('dark', 40), ('light', 200)):
+            (tmp_path/'data'/split/c).mkdir(parents=True)
+            for i in range(n): Image.fromarray(np.full((12, 12, 3), colour + i, np.uint8)).save(tmp_path/'data'/split/c/f'{i}.png')
+    (tmp_path/'train.py').write_text(docs_train_script(tmp_path/'data'))
+    with socket.socket() as s: s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]
+    path = os.pathsep.join([str(HERE.parent), *filter(None, [os.environ.get('PYTHONPATH')])])  # this checkout's package first
+    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONPATH': path, 'TORCH_HOME': str(tmp_path/'torch')}
+    r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', '2', '--master_port', str(port),
+                        str(tmp_path/'train.py')], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert 'has no attribute' not in r.stderr
+
+
 # ---------------------------------------------------------------- resuming
 
 class Stop(Callback):

@@ -1,21 +1,183 @@
 """`FastStep` under DDP, two processes on the CPU (gloo) through fastai's `distrib_ctx` and `DaliDistributed`: the same
-exactly-once and whole-set-metric checks as without it (`ddp_worker.check`), with the fused optimizer in place."""
-import json, os, socket, subprocess, sys
+exactly-once and whole-set-metric checks as without it (`ddp_worker.check`), with the fused optimizer in place; with
+`graph=True` on the CPU, one message saying why it is not captured; on two GPUs (NCCL), captured, with the same checks.
+Why a DDP model is not captured (find_unused_parameters, SyncBatchNorm, gloo), and the SyncBatchNorm note, on a
+one-process group."""
+import json, os, socket, subprocess, sys, warnings
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from fastai.callback.core import Callback, CancelFitException
+from fastai.distributed import DistributedTrainer
+from fastai.learner import Learner
+from fastai.losses import CrossEntropyLossFlat
 
 import ddp_worker
+from helpers import GPU_RUN, index_loader, MAX_INDEX
+import dali_fastai.distributed as distributed
+from dali_fastai.data import DaliDataLoaders
+from dali_fastai.faststep import FastStep, GraphCapture
 
 HERE = Path(__file__).parent
 
 
-def test_two_processes_with_fast_step(tmp_path):
+def _torchrun(tmp_path, *args, device='cpu')->subprocess.CompletedProcess:
+    "`ddp_worker.py` on 2 processes through torchrun; fails the test unless both end well"
     pytest.importorskip('accelerate', reason="fastai's distrib_ctx needs accelerate (a dev dependency)")
     with socket.socket() as s: s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', '2', '--master_port', str(port),
-           str(HERE/'ddp_worker.py'), str(tmp_path), '--fast-step']
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, 'OMP_NUM_THREADS': '1'})
+           str(HERE/'ddp_worker.py'), str(tmp_path), '--device', device, *args]
+    path = os.pathsep.join([str(HERE.parent), *filter(None, [os.environ.get('PYTHONPATH')])])  # this checkout's package first
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONPATH': path})
     assert r.returncode == 0, r.stderr[-3000:]
+    return r
+
+
+def _ranks(tmp_path, key:str)->list: return [json.loads((tmp_path/f'rank{i}.json').read_text())[key] for i in range(2)]
+
+
+def test_two_processes_with_fast_step(tmp_path):
+    _torchrun(tmp_path, '--fast-step')
     ddp_worker.check(tmp_path)
-    assert {json.loads((tmp_path/f'rank{i}.json').read_text())['opt'] for i in range(2)} == {'FastOptimizer'}
+    assert set(_ranks(tmp_path, 'opt')) == {'FastOptimizer'}
+
+
+def test_graph_on_the_cpu_says_why_once_and_trains(tmp_path):
+    "`FastStep(graph=True)` under DDP on the CPU (gloo): one message, from rank 0, naming why; the uncaptured fast step trains exactly once"
+    r = _torchrun(tmp_path, '--graph')
+    ddp_worker.check(tmp_path)
+    said = [l for l in r.stderr.splitlines() if 'Warning: FastStep(graph=True):' in l]  # the message, not the source line under it
+    assert len(said) == 1, r.stderr[-3000:]
+    assert 'not on a CUDA device (DDP over gloo on the CPU)' in said[0] and 'uncaptured fast step' in said[0]
+    assert all(g['n'] == 0 and 'gloo' in g['failed'] for g in _ranks(tmp_path, 'graphs'))
+    assert set(_ranks(tmp_path, 'opt')) == {'FastOptimizer'}
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="FastStep(graph=True) under DDP: needs 2 GPUs (the lead's GPU machine)")
+def test_graph_under_ddp_on_two_gpus(tmp_path):
+    "On 2 GPUs (NCCL): captured on every rank, no fallback message; every item once an epoch, whole-set metrics, the same weights on both ranks"
+    r = _torchrun(tmp_path, '--graph', device='gpu')
+    print(ddp_worker.check(tmp_path))
+    assert 'FastStep(graph=True):' not in r.stderr, r.stderr[-3000:]
+    assert all(g['n'] >= 1 and g['failed'] is None for g in _ranks(tmp_path, 'graphs')), _ranks(tmp_path, 'graphs')
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="FastStep(graph=True) under DDP: needs 2 GPUs (the lead's GPU machine)")
+def test_graph_and_eager_train_alike_under_ddp(tmp_path):
+    "The captured and the uncaptured fast step, same seeds (model and loader), 2 GPUs: the same validation loss and accuracy after 2 epochs, float rounding apart"
+    _torchrun(tmp_path/'eager', '--fast-step', '--seed', '3', device='gpu')
+    _torchrun(tmp_path/'graph', '--graph', '--seed', '3', device='gpu')
+    eager,graph = _ranks(tmp_path/'eager', 'ddp_valid')[0],_ranks(tmp_path/'graph', 'ddp_valid')[0]
+    assert all(abs(a - b) <= 1e-3*max(1, abs(a)) for a,b in zip(eager, graph)), (eager, graph)
+    weights = [_ranks(tmp_path/k, 'weights')[0] for k in ('eager', 'graph')]
+    assert abs(weights[0] - weights[1]) <= 1e-4*max(1, abs(weights[0])), f"the same weights after the fit: {weights}"
+
+
+# ---------------------------------------------------------------- one process: why a DDP model is not captured
+
+@pytest.fixture
+def group():
+    "A one-process gloo group, as torchrun would start (RANK, WORLD_SIZE), torn down after the test"
+    with socket.socket() as s: s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]
+    dist.init_process_group('gloo', init_method=f'tcp://127.0.0.1:{port}', rank=0, world_size=1)
+    try: yield
+    finally: dist.destroy_process_group()
+
+
+class _Learn:
+    "What `GraphCapture` reads of a `Learner`: its model"
+    def __init__(self, model): self.model = model
+
+
+def _refusal(model, sync_bn=False, **ddp_kwargs)->str:
+    "Why `GraphCapture` would not capture `model` wrapped in DDP (checked as its first training batch does)"
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter('always')
+        cap = GraphCapture(_Learn(model), warnings.warn)  # on the CPU: refused already, which `_ddp_refusal` does not look at
+    cap.learn.model = DistributedDataParallel(model, **ddp_kwargs)
+    # DDP takes SyncBatchNorm on GPU modules only: made after the wrapping here (`convert_sync_batchnorm` replaces children in place)
+    if sync_bn: nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    return cap._ddp_refusal()
+
+
+def test_why_a_ddp_model_is_not_captured(group):
+    "The first reason that applies, in words that say what to do"
+    assert 'find_unused_parameters=True' in _refusal(nn.Linear(4, 2), find_unused_parameters=True)
+    assert 'distrib_ctx(sync_bn=False)' in _refusal(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), sync_bn=True)
+    assert 'runs on gloo' in _refusal(nn.Linear(4, 2))
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter('always')
+        cap = GraphCapture(_Learn(nn.Linear(4, 2)), warnings.warn)
+    assert cap._ddp_refusal() is None, "not wrapped: nothing DDP's to refuse"
+
+
+def test_the_module_inside_ddp_is_captured(group):
+    "A model the user wrapped in DDP before the fit: the module inside is the one `forward` is put on, so DDP still all-reduces"
+    inner = nn.Linear(4, 2)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter('always')
+        cap = GraphCapture(_Learn(DistributedDataParallel(inner)), warnings.warn)
+    assert cap.model is inner
+
+
+# ---------------------------------------------------------------- the SyncBatchNorm note
+
+class _FakeDDP(DistributedTrainer):
+    "fastai's DistributedTrainer as `say_sync_bn` sees it (among the callbacks), without its Accelerator or its wrapping"
+    order = DistributedTrainer.order
+    def __init__(self): pass
+    def before_fit(self): pass
+    def after_fit(self): pass
+    def before_train(self): pass
+    def before_validate(self): pass
+
+
+class _StopAtTraining(Callback):
+    "Stop the fit once the first epoch's training has begun (SyncBatchNorm's forward needs a GPU)"
+    order = 99
+    def before_train(self): raise CancelFitException
+
+
+@pytest.mark.parametrize('world,local,said', [(2, 2, True), (1, 1, False), (4, 2, False)], ids=['one-machine', 'one-process', 'two-machines'])
+def test_fast_step_fit_with_sync_batchnorm_says_so_once(files, tmp_path, monkeypatch, world, local, said):
+    "A FastStep fit starting under DDP with SyncBatchNorm layers: one note, with the measured cost and `sync_bn=False`"
+    monkeypatch.setattr(distributed, '_said_sync_bn', [])
+    for k,v in dict(RANK='0', WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(local)).items(): monkeypatch.setenv(k, v)
+    dls = DaliDataLoaders(index_loader(files[:16], 4, train=True, seed=0, warp_mode=None), index_loader(files[16:24], 4),
+                          path=tmp_path, device='cpu')
+    model = nn.SyncBatchNorm.convert_sync_batchnorm(nn.Sequential(nn.Flatten(), nn.Linear(192, MAX_INDEX), nn.BatchNorm1d(MAX_INDEX)))
+    learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), cbs=[FastStep(), _FakeDDP(), _StopAtTraining()])
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        with learn.no_bar(), learn.no_logging():
+            for _ in range(2): learn.fit(1)
+    notes = [str(x.message) for x in w if 'SyncBatchNorm' in str(x.message)]
+    if not said: assert notes == []; return
+    assert len(notes) == 1, "once a process, not once a fit"
+    assert '0.79x' in notes[0] and '2026-11-23' in notes[0] and 'learn.distrib_ctx(sync_bn=False)' in notes[0]
+
+
+# ---------------------------------------------------------------- the DDP bench (tools/ddp_bench.py; run on GPUs by the lead)
+
+def test_ddp_bench_has_a_graph_row_and_scales_to_every_count(tmp_path, monkeypatch):
+    "`--compare N`: every case on 1, 2, 4 ... N GPUs, kept as it goes, one table with a ratio per count; the graph is a row"
+    from helpers import load_tool
+    ddp = load_tool('ddp_bench')
+    assert ('--fast-step', '--graph') in [tuple(extra) for _,extra in ddp.CASES]
+    assert [ddp.gpu_counts(n) for n in (1, 2, 4, 6)] == [[1], [1, 2], [1, 2, 4], [1, 2, 4, 6]]
+    assert ddp.n_per_class_for(9000, 4)*0.8*len(ddp.BENCH_PHOTOS)/4 >= 9000 and ddp.n_per_class_for(10, 1) == 2000
+    runs = []
+    monkeypatch.setattr(ddp, 'run_case', lambda n, args: runs.append((n, tuple(args))) or 100.0*n)
+    out = tmp_path/'rows.json'
+    ddp.compare([1, 2], ['--bs', '8'], 8, out)
+    assert len(runs) == 2*len(ddp.CASES) - 1, "sync_bn on one GPU is the row before it"
+    ddp.compare([1, 2], ['--bs', '8'], 8, out)
+    assert len(runs) == 2*len(ddp.CASES) - 1, "a second run skips the cases kept in --out"
+    t = ddp.table(json.loads(out.read_text()), [1, 2], 8)
+    assert '| 1 GPU | 2 GPUs | 2 vs 1 |' in t and '| fastai + dali_fastai + FastStep(graph=True), `distrib_ctx(sync_bn=False)` | 100 | 200 | 2.00x |' in t

@@ -1,6 +1,7 @@
 """Training throughput of dali_fastai under DDP, 1 GPU against N, side by side in one run:
 
-    python tools/ddp_bench.py --compare 2      # starts every case below with torchrun, then prints a table
+    python tools/ddp_bench.py --compare 2      # starts every case below with torchrun on 1 and 2 GPUs, then prints a table
+    python tools/ddp_bench.py --compare max    # on 1, 2, 4, ... and all the GPUs this machine has: one table, a ratio per count
 
 or one case:  torchrun --nproc_per_node N tools/ddp_bench.py [--loader-only | --synthetic | --sync-bn]
 
@@ -12,9 +13,13 @@ from fastai's loop: `--plain-dali` runs that plain loop on this rank's shard of 
 to training, without fastai), and `--fastai-model` gives either plain loop the model `vision_learner` trains (the
 resnet50 body with fastai's head) instead of torchvision's resnet50 (the model's cost). For the fastai cases,
 `--no-bar` fits without fastai's progress bar (which reads the loss with `.item()` every batch), `--fused-adamw`
-with PyTorch's fused AdamW instead of fastai's Adam, and `--fast-step` with dali_fastai's `FastStep` callback. The numbers of 2026-11-24 are in nbs/images/ddp_h200x2.txt and
+with PyTorch's fused AdamW instead of fastai's Adam, and `--fast-step` with dali_fastai's `FastStep` callback, `--graph` with `FastStep(graph=True)` (forward and backward as
+CUDA graphs; DDP's all-reduce runs from its hooks as the replayed backward hands over the gradients). `--compare`
+keeps each case's img/s in `--out` (JSON) as it goes and skips those already there, so a run cut short goes on where
+it stopped when started again (`--fresh` starts over); it makes the image set large enough that each rank trains on
+about `--images-per-rank` images an epoch on the most GPUs (an epoch of several seconds). The numbers of 2026-11-24 are in nbs/images/ddp_h200x2.txt and
 the distributed notebook's "Throughput"."""
-import argparse, contextlib, json, os, subprocess, sys, tempfile, time
+import argparse, contextlib, json, math, os, subprocess, sys, tempfile, time
 from functools import partial
 from pathlib import Path
 
@@ -31,7 +36,7 @@ from fastai.optimizer import OptimWrapper
 from fastai.vision.learner import vision_learner, create_vision_model
 from torchvision.models import resnet50
 
-from dali_fastai.measure import bench_images
+from dali_fastai.measure import BENCH_PHOTOS, bench_images
 from dali_fastai.distributed import DaliDistributed
 from dali_fastai.faststep import FastStep
 from dali_fastai.data import DaliDataLoaders
@@ -54,11 +59,12 @@ def loader_epochs(dl, epochs:int)->list:
     return times
 
 
-def fit_epochs(dls, epochs:int, world:int, sync_bn:bool, bar:bool=True, fused:bool=False, fast_step:bool=False)->list:
+def fit_epochs(dls, epochs:int, world:int, sync_bn:bool, bar:bool=True, fused:bool=False, fast_step:bool=False,
+               graph:bool=False)->list:
     "Wall time of the training phase of each of `epochs` epochs of a resnet50 (bf16, channels_last) fit"
     timer = EpochTimer()
     kw = dict(opt_func=partial(OptimWrapper, opt=torch.optim.AdamW, fused=True)) if fused else {}
-    cbs = [DaliDistributed(), timer, *([FastStep()] if fast_step else [])]
+    cbs = [DaliDistributed(), timer, *([FastStep(graph=graph)] if fast_step or graph else [])]
     learn = vision_learner(dls, resnet50, metrics=accuracy, pretrained=False, cbs=cbs, **kw).to_bf16()
     learn.model = learn.model.to(memory_format=torch.channels_last)
     # one GPU: a plain fit (fastai's DistributedTrainer assumes a DDP-wrapped model, which one process does not get)
@@ -108,6 +114,7 @@ CASES = [('the sharded loader alone', ['--loader-only']),
          ("plain PyTorch DDP, a random batch, fastai's model", ['--synthetic', '--fastai-model']),
          ("plain PyTorch DDP fed by dali_fastai, fastai's model", ['--plain-dali', '--fastai-model']),
          ('fastai + dali_fastai + FastStep, `distrib_ctx(sync_bn=False)`', ['--fast-step']),
+         ('fastai + dali_fastai + FastStep(graph=True), `distrib_ctx(sync_bn=False)`', ['--fast-step', '--graph']),
          ('fastai + dali_fastai, `distrib_ctx(sync_bn=False)`', []),
          ("fastai + dali_fastai, `distrib_ctx()` (fastai's default `sync_bn=True`)", ['--sync-bn'])]
 
@@ -116,26 +123,55 @@ def run_case(n_gpus:int, args:list)->float:
     "img/s (all ranks) of one case on `n_gpus`, in its own torchrun"
     with tempfile.TemporaryDirectory() as d:
         res = Path(d)/'res.json'
-        cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', str(n_gpus), __file__, *args, '--result', str(res)]
+        cmd = [sys.executable, '-m', 'torch.distributed.run', '--standalone', '--nproc_per_node', str(n_gpus), __file__, *args,
+               '--result', str(res)]
         subprocess.run(cmd, check=True)
         return json.loads(res.read_text())['img_s']
 
 
-def compare(n_gpus:int, args:list, bs:int):
-    "Every case of `CASES` on 1 GPU and on `n_gpus` (with one GPU, sync_bn changes nothing: fastai's BatchNorm stays)"
-    rows = []
-    for name,extra in CASES:
-        one = rows[-1][1] if extra == ['--sync-bn'] else run_case(1, args + extra)
-        rows.append((name, one, run_case(n_gpus, args + extra)))
-        print(f"ddp_bench: {len(rows)} of {len(CASES)} cases done", flush=True)  # the table so far is in the lines above
-    print(f"\n| img/s, resnet50 bf16, bs {bs}/GPU | 1 GPU | {n_gpus} GPUs | {n_gpus} vs 1 |\n|---|---|---|---|")
-    for name,one,many in rows: print(f"| {name} | {one:,.0f} | {many:,.0f} | {many/one:.2f}x |")
+def gpu_counts(most:int)->list:
+    "1, 2, 4, ... up to `most`, and `most` itself"
+    return sorted({1, most} | {2**k for k in range(1, most.bit_length()) if 2**k <= most})
+
+
+def n_per_class_for(images_per_rank:int, most:int, n_classes:int=len(BENCH_PHOTOS), least:int=2000)->int:
+    "Images a class of `bench_images` so that each of `most` ranks trains on about `images_per_rank` an epoch (4 in 5 go to train/)"
+    return max(least, math.ceil(images_per_rank*most/(0.8*n_classes)))
+
+
+def table(rows:dict, counts:list, bs:int)->str:
+    "The markdown table of `rows` ({case name: {n_gpus: img/s}}): img/s on each count of GPUs, and each count against 1"
+    head = ' | '.join(f'{n} GPU{"s" if n > 1 else ""}' + (f' | {n} vs 1' if n > 1 else '') for n in counts)
+    lines = [f"| img/s, resnet50 bf16, bs {bs}/GPU | {head} |", '|---' * (1 + 2*len(counts) - 1) + '|']
+    for name,_ in CASES:
+        got = rows.get(name, {})
+        cells = []
+        for n in counts:
+            v = got.get(str(n))
+            cells.append('' if v is None else f'{v:,.0f}')
+            if n > 1: cells.append('' if v is None or not got.get('1') else f"{v/got['1']:.2f}x")
+        lines.append(f"| {name} | {' | '.join(cells)} |")
+    return '\n'.join(lines)
+
+
+def compare(counts:list, args:list, bs:int, out:Path, fresh:bool=False):
+    "Every case of `CASES` on each of `counts` GPUs (with one GPU, sync_bn changes nothing: fastai's BatchNorm stays), kept in `out` as they finish; then one table"
+    rows = {} if fresh or not out.exists() else json.loads(out.read_text())
+    for i,(name,extra) in enumerate(CASES):
+        for n in counts:
+            got = rows.setdefault(name, {})
+            if str(n) in got: continue
+            got[str(n)] = rows[CASES[i-1][0]]['1'] if extra == ['--sync-bn'] and n == 1 else run_case(n, args + extra)
+            out.write_text(json.dumps(rows, indent=1))
+        print(f"ddp_bench: {i + 1} of {len(CASES)} cases done ({out})", flush=True)  # the numbers so far are in the lines above
+    print('\n' + table(rows, counts, bs))
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument('--path', default=None); p.add_argument('--bs', type=int, default=128); p.add_argument('--size', type=int, default=224)
-    p.add_argument('--n-per-class', type=int, default=2000); p.add_argument('--epochs', type=int, default=4)
+    p.add_argument('--n-per-class', type=int, default=None, help="images a class of the generated set (default: 2000; "
+                   "with --compare, enough for --images-per-rank)"); p.add_argument('--epochs', type=int, default=4)
     p.add_argument('--loader-only', action='store_true'); p.add_argument('--synthetic', action='store_true')
     p.add_argument('--plain-dali', action='store_true', help="the plain DDP loop fed by this rank's shard of the loader")
     p.add_argument('--fastai-model', action='store_true', help="plain loops: vision_learner's resnet50 (fastai's head)")
@@ -143,16 +179,24 @@ def main():
     p.add_argument('--no-bar', action='store_true', help="fastai cases: fit without the progress bar (it reads the loss every batch)")
     p.add_argument('--fused-adamw', action='store_true', help="fastai cases: PyTorch's fused AdamW (OptimWrapper) instead of fastai's Adam")
     p.add_argument('--fast-step', action='store_true', help="fastai cases: with dali_fastai's FastStep callback")
-    p.add_argument('--compare', type=int, default=0, help='run every case on 1 GPU and on this many, print a table')
+    p.add_argument('--graph', action='store_true', help="fastai cases: with FastStep(graph=True), forward and backward as CUDA graphs")
+    p.add_argument('--compare', default=None, help="run every case on 1, 2, 4, ... GPUs up to this many ('max': all this "
+                   "machine has), print one table")
+    p.add_argument('--images-per-rank', type=int, default=9000, help="--compare: training images each rank reads an epoch "
+                   "on the most GPUs (default: 9000: about 3 s at the 3,000 img/s a GPU of the distributed notebook's tables)")
+    p.add_argument('--out', default='ddp_bench.json', help="--compare: the cases' img/s, kept as they finish (default: ddp_bench.json)")
+    p.add_argument('--fresh', action='store_true', help="--compare: run every case again, not only those missing from --out")
     p.add_argument('--result', default=None, help='rank 0 writes {"img_s": ...} here')
     a = p.parse_args()
     if a.compare:
+        most = torch.cuda.device_count() if a.compare == 'max' else int(a.compare)
+        if a.n_per_class is None and a.path is None: a.n_per_class = n_per_class_for(a.images_per_rank, most)
         keep = [x for k in ('path', 'bs', 'size', 'n_per_class', 'epochs') if getattr(a, k) is not None
                 for x in (f"--{k.replace('_', '-')}", str(getattr(a, k)))]
-        return compare(a.compare, keep, a.bs)
+        return compare(gpu_counts(most), keep, a.bs, Path(a.out), a.fresh)
     rank, world = int(os.environ.get('RANK', 0)), int(os.environ.get('WORLD_SIZE', 1))
     torch.cuda.set_device(int(os.environ.get('LOCAL_RANK', 0)))
-    path = a.path or bench_images(n_per_class=a.n_per_class)  # the same folder on every rank (written once, atomically)
+    path = a.path or bench_images(n_per_class=a.n_per_class or 2000)  # the same folder on every rank (written once, atomically)
     dls = DaliDataLoaders.from_folder(path, valid_pct=0.1, bs=a.bs, size=a.size, seed=0)
     n_imgs = len(dls.train.shard(rank, world, seed=0))*a.bs  # a rank's training images an epoch, as the fit shards them
     model = "fastai's resnet50" if a.fastai_model else 'resnet50'
@@ -163,9 +207,11 @@ def main():
         dl = dls.train.shard(rank, world, seed=0).to(torch.device('cuda', torch.cuda.current_device()))
         times,what = plain_epochs(a.epochs, lambda: dl, world, a.fastai_model),f'{model} bf16, dali_fastai shard, plain DDP'
     elif a.loader_only: times,what = loader_epochs(dls.train, a.epochs),'loader only'
-    else: times,what = (fit_epochs(dls, a.epochs, world, a.sync_bn, bar=not a.no_bar, fused=a.fused_adamw, fast_step=a.fast_step),
+    else: times,what = (fit_epochs(dls, a.epochs, world, a.sync_bn, bar=not a.no_bar, fused=a.fused_adamw, fast_step=a.fast_step,
+                                   graph=a.graph),
                         f"resnet50 bf16, fastai + dali_fastai, sync_bn={a.sync_bn}{', no progress bar' if a.no_bar else ''}"
-                        f"{', fused AdamW' if a.fused_adamw else ''}{', FastStep' if a.fast_step else ''}")
+                        f"{', fused AdamW' if a.fused_adamw else ''}{', FastStep' if a.fast_step or a.graph else ''}"
+                        f"{'(graph=True)' if a.graph else ''}")
     timed = sum(times[1:])
     img_s = n_imgs*world*(len(times)-1)/timed
     if a.result and rank == 0: Path(a.result).write_text(json.dumps({'img_s': img_s}))
