@@ -87,7 +87,9 @@ class DaliDataLoaders(DataLoaders):
         if len(train_dl) == 0:
             raise ValueError(f"bs={bs} is larger than the {len(train)} training images, and training drops the last "
                              "partial batch: use a smaller bs")
-        return cls(train_dl, valid_dl, path=path, device=train_dl.device)
+        dls = cls(train_dl, valid_dl, path=path, device=train_dl.device)
+        valid_dl.fed_by(dls._fed_pipelines)  # validation, `get_preds` and `predict` then read through one pipeline
+        return dls
 
     @classmethod
     def from_splits(cls, path, # root of the dataset (saved as `dls.path`)
@@ -379,7 +381,6 @@ class DaliDataLoaders(DataLoaders):
         "Free every DALI pipeline of these loaders (train, valid, `test_dl`'s): the next `iter()` of a loader builds its own again"
         for dl in self.loaders: dl.close()
         for _,src in self._fed_pipelines: src.close()
-        self._test_pipes.clear()
 
     def add_tfms(self, tfms:list, # fastai transforms
                  event:str, # 'after_batch' (DALI does everything before it)

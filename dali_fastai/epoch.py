@@ -10,6 +10,7 @@ __all__ = ['n_batches', 'shard_sizes', 'batches_per_rank', 'interleaved_order', 
 
 # %% ../nbs/04_epoch.ipynb #42a6f309
 import base64, functools, os, time
+from collections import deque
 from contextlib import contextmanager
 import numpy as np
 import torch
@@ -188,48 +189,65 @@ class PipelineSource:
         if state['dali'] is not None: self.resume = state
 
 # %% ../nbs/04_epoch.ipynb #4f8656cf
+def _name(f)->np.ndarray:
+    "A file's path as `fn.io.file.read` takes it: its UTF-8 bytes"
+    return np.frombuffer(str(f).encode('utf-8'), dtype=np.uint8)
+
 class FileFeed:
-    "The encoded files (and each item's side files) of the items read now, `bs` at a time with their indices: an `fn.external_source` callback"
-    def __init__(self, bs:int, # the largest batch
-                 n_sides:int=0, # side files per item (e.g. a mask)
-                ): self.bs,self.n_sides,self.files,self.sides,self.pos = bs,n_sides,[],[],0
+    "The names of the files (and each item's side files) of the items read now, `bs` at a time with their indices: an `fn.external_source` callback"
+    def __init__(self, bs:int, # the batch size
+                ): self.bs,self.n_sides,self.files,self.sides,self.pos,self.served = bs,0,[],[],0,deque()
 
     def start(self, files:list, # image files of this epoch's items
-              sides:list=(), # `n_sides` lists of their side files
+              sides:list=(), # lists of their side files, one a kind (the pipeline must read as many)
              ):
         "Serve `files` from the first, in order"
-        if len(sides) != self.n_sides: raise ValueError(f"this feed reads {self.n_sides} side files an item, got {len(sides)} lists")
+        if len(sides) != self.n_sides: raise ValueError(f"this feed's pipeline reads {self.n_sides} side files an item, got {len(sides)} lists")
         self.files,self.sides,self.pos = list(files),[list(s) for s in sides],0
+        self.served.clear()
 
     def __call__(self)->tuple:
-        "The next batch: encoded images, indices (int32, shape (1,)), then each side's encoded files; `StopIteration` after the last"
+        "The next batch: file names, indices (int32, shape (1,)), then each side's file names; `StopIteration` after the last"
         if self.pos >= len(self.files): raise StopIteration
         idx = range(self.pos, min(self.pos + self.bs, len(self.files)))
         self.pos = idx.stop
-        read = lambda fs: [np.fromfile(fs[i], dtype=np.uint8) for i in idx]
-        return (read(self.files), [np.array([i], dtype=np.int32) for i in idx], *map(read, self.sides))
+        self.served.append(len(idx))  # its items; the rest, padding, is cut by `FedSource`'s iterator
+        # the last batch padded with its last item to `bs`, as DALI's readers pad: the graph's other sources (per-sample
+        # draws) give whole batches, and DALI needs every source of a run to give as many samples
+        idx = [*idx] + [idx[-1]]*(self.bs - len(idx))
+        names = lambda fs: [_name(fs[i]) for i in idx]
+        return (names(self.files), [np.array([i], dtype=np.int32) for i in idx], *map(names, self.sides))
 
     def reader(self, **_)->tuple:
-        "The pipeline's nodes (encoded, index, *sides), in the place of a file reader's (`classification_pipeline`'s `reader`)"
-        return tuple(fn.external_source(source=self, num_outputs=2 + self.n_sides, batch=True,
-                                        dtype=[types.UINT8, types.INT32] + [types.UINT8]*self.n_sides))
+        "The pipeline's nodes (encoded, index, *sides encoded), in the place of a file reader's (`classification_pipeline`'s `reader`)"
+        outs = fn.external_source(source=self, num_outputs=2 + self.n_sides, batch=True,
+                                  dtype=[types.UINT8, types.INT32] + [types.UINT8]*self.n_sides)
+        return (fn.io.file.read(outs[0]), outs[1], *[fn.io.file.read(o) for o in outs[2:]])
 
 # %% ../nbs/04_epoch.ipynb #6742fbe0
+class _Cut:
+    "DALI's iterator over a fed pipeline, each batch cut to the items the feed served in it (it pads the last to `bs`)"
+    def __init__(self, it:DALIGenericIterator, feed:FileFeed): self.it,self.feed = it,feed
+    def reset(self): self.it.reset()
+    def __next__(self)->list:
+        data,n = next(self.it),self.feed.served.popleft()
+        return data if n == self.feed.bs else [{k: v[:n] for k,v in d.items()} for d in data]
+
 class FedSource(PipelineSource):
     "A `PipelineSource` whose pipeline reads the files it is handed at each epoch's start (`FileFeed`): built once for many item sets"
     def __init__(self, names:list, # the pipeline's outputs' names
                  bs:int, # the largest batch
-                 n_sides:int=0, # side files per item
                 ):
         super().__init__(names)
-        self.feed,self.ran = FileFeed(bs, n_sides),False
+        self.feed,self.ran = FileFeed(bs),False
 
     def start(self, files:list, # this epoch's image files
-              sides:list, # and their side files
-              *args, **kwargs, # `iterator`'s arguments
+              sides:list, # and their side files, a list a kind
+              key, *args, **kwargs, # `iterator`'s arguments
              )->DALIGenericIterator:
         "The iterator, built now if there is none, at the start of an epoch over `files`"
-        it = self.iterator(*args, **kwargs)
+        if self.it is None or self.key != (key, len(sides)): self.feed.n_sides = len(sides)  # what the next build reads
+        it = self.iterator((key, len(sides)), *args, **kwargs)
         self.feed.start(files, sides)
         if self.ran: it.reset()  # the last epoch ended (a loader drains or closes an abandoned one): DALI asks for the new files now
         self.ran = True
@@ -238,8 +256,12 @@ class FedSource(PipelineSource):
     def _wrap(self, pipe, policy)->DALIGenericIterator:
         "DALI's iterator over `pipe`: the epoch ends when the feed does; reset at each `start`, after the feed has its files"
         self.ran = False
-        return DALIGenericIterator([pipe], self.names, last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=False,
-                                   prepare_first_batch=False)
+        return _Cut(DALIGenericIterator([pipe], self.names, last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=False,
+                                        prepare_first_batch=False), self.feed)
+
+    def state(self)->dict:
+        "As `PipelineSource.state`, without DALI's checkpoint: a fed pipeline reads its items in order from the first each epoch"
+        return {'build': self.builds - 1, 'order_seed': self.order_seed, 'dali': None}
 
 # %% ../nbs/04_epoch.ipynb #70bd57e4
 def to_device_async(t:torch.Tensor, # a small tensor DALI made on the host (a crop window, a matrix)

@@ -196,7 +196,7 @@ def usable_items(items:ImageItems, # the items to check
 
 # %% ../nbs/02_items.ipynb #3566aa14
 FULL_CHECK_LIMIT = 10_000  # on a DALI decode failure, decode at most this many candidate files with PIL
-_DECODE_FAILURE = re.compile(r"operator `nvidia\.dali\.fn\.(decoders\.|readers\.file|readers\.webdataset)|nvImageCodec failure")
+_DECODE_FAILURE = re.compile(r"operator `nvidia\.dali\.fn\.(decoders\.|readers\.file|readers\.webdataset|io\.file\.read)|nvImageCodec failure")
 
 def _is_decode_failure(e:Exception)->bool:
     "Whether `e` is DALI failing to read or decode a file (its message names the operator)"

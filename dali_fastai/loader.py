@@ -232,7 +232,7 @@ class DaliDataLoader:
                keep:int=4, # at most this many pipelines in `pool`; the oldest goes first
               )->'DaliDataLoader': # this loader
         "Read through a pipeline fed each epoch's files (`FedSource`), the one in `pool` for these settings: one build for every item set"
-        if self.world_size > 1 or self.items.read is not None: return self  # a shard, or records: only a reader reads them
+        if self.world_size > 1 or self.items.read is not None or self.shuffle: return self  # a shard, records, a new order each epoch: a reader's work
         self._fed,me = True,self._settings()
         src = next((s for k,s in pool if _same(k, me)), None)
         if src is None:
@@ -323,8 +323,9 @@ class DaliDataLoader:
         batches = iter(epoch)
         while True:
             if self._epoch is not epoch:
-                raise RuntimeError("another iter() of this loader started a new epoch while this one was running: a "
-                                   "DaliDataLoader runs one epoch at a time; use dl.new() for a second, independent loader")
+                raise RuntimeError("another iter() of this loader, or of one sharing its pipeline (dl.new() with nothing "
+                                   "changed), started a new epoch while this one was running: a DaliDataLoader runs one epoch "
+                                   "at a time; use dl.new(seed=...) for a second, independent loader")
             failure = None
             try: data = next(batches)
             except StopIteration: return
@@ -416,7 +417,7 @@ class DaliDataLoader:
             args.update(shuffle=None, drop_last=None)
         dl = type(self)(**{**args, **self.aug, **kwargs})
         # nothing changed (fastai's `get_preds` and `tta` ask for this loader in order): the same pipeline serves both
-        if dl.items is self.items and not self._fed and _same(dl._settings(), self._settings()): dl._source = self._source
+        if dl.items is self.items and _same(dl._settings(), self._settings()): dl._source,dl._fed = self._source,self._fed
         return dl
 
     def to(self, device):

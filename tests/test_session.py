@@ -1,0 +1,67 @@
+"A fastai user's session on DALI's loaders builds each pipeline once: what `Pipeline.build` is asked for, phase by phase (issue 39's counts, on the CPU)"
+import warnings
+from pathlib import Path
+from unittest.mock import patch
+import pytest
+from nvidia.dali.pipeline import Pipeline
+from fastai.data.block import DataBlock, CategoryBlock
+from fastai.data.transforms import get_image_files, parent_label, GrandparentSplitter
+from fastai.vision.augment import Resize
+from fastai.vision.data import ImageBlock
+from fastai.vision.learner import vision_learner
+from fastai.callback.schedule import fine_tune  # noqa: F401 (adds Learner.fine_tune and lr_find)
+from fastai.metrics import accuracy
+from torchvision.models import resnet18
+from dali_fastai.data import DaliDataLoaders
+from dali_fastai.datasets import fashion_mnist
+
+
+def _small(dest:Path)->Path:
+    "Six training and three validation images a class of the embedded Fashion-MNIST sample, linked into `dest`"
+    src = fashion_mnist()
+    for split,n in (('train', 6), ('valid', 3)):
+        for d in (src/split).iterdir():
+            (dest/split/d.name).mkdir(parents=True)
+            for f in sorted(d.iterdir())[:n]: (dest/split/d.name/f.name).symlink_to(f)
+    return dest
+
+
+class Builds:
+    "Counts the DALI pipelines built (a `Pipeline.build` on a pipeline not built yet)"
+    def __init__(self): self.n = 0
+    def __enter__(self):
+        build,builds = Pipeline.build,self
+        def counted(pipe, *args, **kwargs):
+            builds.n += not pipe._built
+            return build(pipe, *args, **kwargs)
+        self.patch = patch.object(Pipeline, 'build', counted)
+        self.patch.__enter__(); return self
+    def __exit__(self, *exc): self.patch.__exit__(*exc)
+
+
+@pytest.mark.timeout(900)
+def test_a_session_builds_each_pipeline_once(tmp_path):
+    "loaders, lr_find, fine_tune, get_preds, predicts, another fit, more predicts: the training and validation pipelines, and no more"
+    warnings.filterwarnings('ignore')
+    path = _small(tmp_path)
+    db = DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=get_image_files, get_y=parent_label,
+                   splitter=GrandparentSplitter(valid_name='valid'), item_tfms=Resize(28))
+    files = sorted(get_image_files(path/'valid'))[:3]
+    with Builds() as b:
+        dls = DaliDataLoaders.from_dblock(db, path, bs=8, device='cpu', seed=0, drain_limit=100)  # no timing: lr_find's epoch is finished
+        learn = vision_learner(dls, resnet18, pretrained=False, metrics=accuracy)
+        counts = {}
+        with learn.no_bar(), learn.no_logging():
+            learn.lr_find(num_it=10, show_plot=False); counts['lr_find'] = b.n
+            learn.fine_tune(1); counts['fine_tune'] = b.n
+            preds,targs = learn.get_preds(); counts['get_preds'] = b.n
+            first = learn.predict(files[0]); counts['first predict'] = b.n
+            later = [learn.predict(f) for f in files]; counts['later predicts'] = b.n
+            learn.fit(1); counts['another fit'] = b.n
+            learn.predict(files[0]); learn.get_preds(); counts['after it'] = b.n
+    assert counts == {'lr_find': 1, 'fine_tune': 2, 'get_preds': 2, 'first predict': 2, 'later predicts': 2, 'another fit': 2,
+                      'after it': 2}, counts
+    assert len(targs) == 30 and preds.shape == (30, 10)
+    assert first[0] == later[0][0]  # the same file, the same prediction through the shared pipeline
+    i = [str(f) for f in dls.valid.items.files].index(str(files[0]))
+    assert (preds[i] - later[0][2]).abs().max() < 1e-4, "predict and get_preds read the same file alike"
