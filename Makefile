@@ -52,8 +52,9 @@ test: venv  ## the test command: exported modules match the notebooks, then pyte
 	$(BIN)/python -m pytest -n $(N) -ra tests
 
 # The embedded Fashion-MNIST sample at its native 28 px (the command's default, 64 px, upsamples it and takes ~5x longer):
-# about a minute of training on 2 cores. Each step says how long it took: the venv, then the command (its first line: loaders
-# and model, imports included; one line an epoch; the last: the training).
+# a few minutes of training on 2 cores (about 148 s on a busy 2-core machine, issue 41). Each step says how long it took:
+# the venv, then the command (its first line: loaders and model, imports included; one line an epoch; the last: the
+# training).
 demo:  ## train resnet18 for 2 epochs on the embedded data (28 px) on the CPU through the command line, timing each step
 	@t=$$(date +%s); $(MAKE) --no-print-directory venv; echo "== venv ready in $$(( $$(date +%s) - t ))s"
 	@t=$$(date +%s); echo "== $(BIN)/dali-fastai train --epochs 2 --size 28 --device cpu"; \

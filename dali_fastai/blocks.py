@@ -124,6 +124,19 @@ def _target_kinds(dblock:DataBlock)->list:
         "not decode; use dblock.dataloaders(source) for it (masks, MaskBlock, are supported)")
     return kinds
 
+def _source_items(dblock:DataBlock, source)->list:
+    "`dblock.get_items(source)`, or an error saying what is missing before fastai's splitter and `TfmdLists` meet nothing"
+    if isinstance(source, (str, Path)) and not Path(source).exists():
+        raise FileNotFoundError(f"dataset folder {str(source)!r} does not exist (the source given to the DataBlock's get_items): "
+                                "check the path")
+    items = (dblock.get_items or noop)(source)
+    if items is None or len(items) == 0:
+        where = repr(str(source)) if isinstance(source, (str, Path)) else f"the {type(source).__name__} given as source"
+        getter = getattr(dblock.get_items, '__name__', type(dblock.get_items).__name__) if dblock.get_items else 'no get_items'
+        raise ValueError(f"no images in {where}: the DataBlock's get_items ({getter}) gave "
+                         f"{'None' if items is None else 'no items'}; check the path and folder names, and that get_items returns the items")
+    return items
+
 def dblock_items(dblock:DataBlock, # a fastai `DataBlock`: one `ImageBlock` input, then any targets
                  source, # what its `get_items` reads
                  void_code:int|None=None, # masks: the value padding takes, for losses to ignore (see `MaskTarget`)
@@ -135,7 +148,7 @@ def dblock_items(dblock:DataBlock, # a fastai `DataBlock`: one `ImageBlock` inpu
                          f"has n_inp={dblock.n_inp} and first block type transforms {list(L(dblock.type_tfms[0]))}: use "
                          "dblock.dataloaders(source) for it")
     kinds = _target_kinds(dblock)
-    items = (dblock.get_items or noop)(source)
+    items = _source_items(dblock, source)
     splits = (dblock.splitter or RandomSplitter())(items)
     if len(splits) < 2: raise ValueError(f"the DataBlock's splitter gave {len(splits)} split(s): DaliDataLoaders needs a training and a validation set")
     tfms = dblock._combine_type_tfms()
@@ -241,6 +254,9 @@ def image_file(o, # a path, `PIL.Image`, uint8 numpy array (HWC), uint8 tensor (
 
 class InMemoryImages:
     "Image files for in-memory images, in a temporary folder removed when this object is"
+    # what a loader's error about a bad file among these says (`usable_items`): `predict` takes no `skip_bad_files`
+    bad_files_advice = (f"not a readable image: pass predict or test_dl an image file ({DECODABLE}), a PIL image, an array "
+                        "or a tensor")
     def __init__(self, objs:list):
         self._dir = tempfile.TemporaryDirectory(prefix='dali_fastai_')
         self.files = [image_file(o, Path(self._dir.name), i) for i,o in enumerate(objs)]

@@ -317,14 +317,16 @@ def parser()->argparse.ArgumentParser:
     w.add_argument('--shard-size', type=int, default=10_000, help="samples a shard (default: 10000)")
     w.add_argument('--seed', type=int, default=0, help="seed of the training shards' order (default: 0)")
     w.add_argument('--check', action='store_true', help="read every sample back (after writing, or alone)")
+    w.add_argument('--skip-bad', action='store_true', help="leave out image files that cannot be decoded, with one warning "
+                   "(default: stop, naming them)")
     return p
 
-def _shards(src:str, dest:str|None, format:str, shard_size:int, seed:int, check:bool):
+def _shards(src:str, dest:str|None, format:str, shard_size:int, seed:int, check:bool, skip_bad:bool=False):
     "`folder_shards` and/or `check_shards`, with a line saying what was done"
     from dali_fastai.shards import folder_shards, check_shards
     if dest is None and not check: raise ValueError("give SRC and DEST to write shards, or --check and one folder of shards to check")
     if dest is not None:
-        written = folder_shards(src, dest, shard_size=shard_size, seed=seed, format=format)
+        written = folder_shards(src, dest, shard_size=shard_size, seed=seed, format=format, skip_bad_files=skip_bad)
         print(f"wrote {', '.join(f'{len(v)} {k} shards' for k,v in written.items())} in {dest}")
     folder = src if dest is None else dest
     if check: print(f"checked {check_shards(folder)} samples in {folder}: all readable")

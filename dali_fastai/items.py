@@ -8,7 +8,7 @@ Docs: https://dali-fastai.github.io/dali_fastai/items.html.md"""
 __all__ = ['FULL_CHECK_LIMIT', 'Target', 'category_target', 'ImageItems', 'bad_files', 'usable_items']
 
 # %% ../nbs/02_items.ipynb #8470f430
-import copy, re, warnings
+import copy, os, re, warnings
 from contextlib import contextmanager
 from pathlib import Path
 import torch
@@ -176,13 +176,27 @@ class ImageItems:
         finally: self.split_idx = old
 
 # %% ../nbs/02_items.ipynb #862d4005
+def _none_exist(bad:list, n:int)->bool:
+    "Whether `bad` (from `check_images` of `n` files) says that none of them exists"
+    return len(bad) == n and all(r == "file does not exist" for _,r in bad)
+
+def _bad_error(bad:list, n:int, root, advice:str|None)->str:
+    "The error for `bad` among `n` files: none of them exists (the items are not image paths), or `advice` after their names"
+    if _none_exist(bad, n):
+        return (f"none of the {n} image paths exists ({describe_bad(bad, root, 3)}): the items must be paths of image "
+                f"files, absolute or relative to the current folder {os.getcwd()!r} (a DataBlock's get_items, with its "
+                "get_x, must return image paths)")
+    return f"cannot decode {describe_bad(bad, root)}: {advice}" if advice else bad_files_message(bad, root)
+
 def bad_files(files:list, # image paths
               skip_bad_files:bool=False, # warn once about the bad files, instead of raising
               root=None, # name files relative to this folder in messages
+              advice:str|None=None, # what the error tells the user to do; default: remove them or pass skip_bad_files=True
              )->set: # the bad files, as `str` paths
     "The files `check_images` finds bad: a `ValueError` naming them, or one warning listing those left out"
     bad = check_images(files)
-    if bad and not skip_bad_files: raise ValueError(bad_files_message(bad, root))
+    # when no file exists, leaving them out leaves nothing: the error says what the items should be, whatever skip_bad_files
+    if bad and (not skip_bad_files or _none_exist(bad, len(files))): raise ValueError(_bad_error(bad, len(files), root, advice))
     if bad: warnings.warn(f"skip_bad_files=True: leaving out {len(bad)} file(s) that cannot be decoded: {describe_bad(bad, root, 20)}")
     return {f for f,_ in bad}
 
@@ -192,7 +206,8 @@ def usable_items(items:ImageItems, # the items to check
                 )->ImageItems: # `items` without the bad files, marked checked
     "`items` checked with `check_images`: a `ValueError` naming the bad files, or one warning listing those left out"
     if items.checked or len(items) == 0: return items
-    return items.without(bad_files(items.files, skip_bad_files, root))
+    # the items' owner may say what fits its call better than skip_bad_files (`InMemoryImages`: `predict` takes no such argument)
+    return items.without(bad_files(items.files, skip_bad_files, root, getattr(items.owner, 'bad_files_advice', None)))
 
 # %% ../nbs/02_items.ipynb #3566aa14
 FULL_CHECK_LIMIT = 10_000  # on a DALI decode failure, decode at most this many candidate files with PIL

@@ -23,7 +23,7 @@ from .files import image_format
 from dali_fastai.shardindex import (_split, _wds_index_text, _tfrecord_index_text, tf_example, tf_record, parse_example,
     tfrecord_records)
 from .util import _needs, _progress
-from .items import ImageItems, category_target
+from .items import ImageItems, category_target, bad_files
 from .blocks import dblock_items, _target_kinds
 
 # %% ../nbs/02d_shards.ipynb #67b3194b
@@ -154,6 +154,7 @@ def _write_splits(dest:Path, splits:dict, # split: `(image file, label)` pairs
 @delegates(write_shards, but=['prefix', 'shuffle'])
 def folder_shards(src, # ImageNet-style folder: `train/<class>/*` and `valid/<class>/*`
                   dest, # folder for the shards and `vocab.txt`
+                  skip_bad_files:bool=False, # leave out files that fail `check_images` (one warning), instead of raising
                   **kwargs, # `write_shards` settings: `shard_size`, `seed` (of the training shards' order), `progress`, `format`
                  )->dict: # split: shards written
     "Write an image folder as shards (WebDataset or TFRecord), labelled as `DaliDataLoaders.from_folder` labels it"
@@ -161,6 +162,9 @@ def folder_shards(src, # ImageNet-style folder: `train/<class>/*` and `valid/<cl
     src,dest = Path(src),Path(dest)
     splits = {s: get_image_files(src/s) for s in ('train', 'valid') if (src/s).is_dir()}
     if not splits.get('train'): raise FileNotFoundError(f"{src} has no images in train/<class>/: expected an ImageNet-style folder")
+    bad = bad_files([f for fs in splits.values() for f in fs], skip_bad_files, root=src)  # all of them named, as a loader names them
+    splits = {s: [f for f in fs if str(f) not in bad] for s,fs in splits.items()}
+    if not splits['train']: raise ValueError(f"{src}: no image of train/ can be decoded: nothing to write")
     vocab = sorted({parent_label(f) for fs in splits.values() for f in fs})
     o2i = {v: i for i,v in enumerate(vocab)}
     return _write_splits(dest, {s: [(f, o2i[parent_label(f)]) for f in fs] for s,fs in splits.items()}, 'vocab.txt',

@@ -306,6 +306,20 @@ def test_bench_accuracy_at_fastais_batch_size(tmp_path, monkeypatch):
     assert [k['bs'] for k in calls] == [64, 128]
 
 
+def test_shards_name_every_bad_image_and_skip_them(tmp_path, capsys):
+    "`dali-fastai shards` names all the files it cannot write (not the first alone), before writing; --skip-bad leaves them out"
+    data = image_folder(tmp_path/'data')
+    bad = ['a.png', 'b.png', 'c.png']
+    for name in bad: (data/'train'/'dark'/name).write_bytes(b'not an image')
+    args = ['shards', str(data), str(tmp_path/'out')]
+    with pytest.raises(SystemExit) as e: cli.main(args)
+    assert all(f"train/dark/{n}' (" in e.value.code for n in bad) and 'pass --skip-bad' in e.value.code, e.value.code
+    assert 'skip_bad' not in e.value.code and not (tmp_path/'out').exists(), e.value.code
+    capsys.readouterr()
+    with pytest.warns(UserWarning, match="leaving out 3 file"): cli.main([*args, '--skip-bad', '--check'])
+    assert capsys.readouterr().out.splitlines()[-1] == f"checked 16 samples in {tmp_path/'out'}: all readable"  # the 16 good ones
+
+
 # ---------------------------------------------------------------- FastStep, and several processes (torchrun)
 
 def _env()->dict:

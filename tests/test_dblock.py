@@ -96,6 +96,34 @@ def test_refuses_what_it_cannot_read():
         DaliDataLoaders.from_dsets([1], [2])
 
 
+
+def test_missing_or_empty_source_says_so(tmp_path, df, monkeypatch):
+    """A folder that is not there or holds no image gets `from_folder`'s errors, not fastai's `'NoneType' object is not
+    iterable`; items that are not image paths (names relative to another folder) get an error saying what they must be,
+    with or without skip_bad_files (leaving them out would leave nothing)"""
+    dblock = DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=get_image_files, get_y=parent_label)
+    with pytest.raises(FileNotFoundError, match="dataset folder 'missing/path' does not exist"):
+        DaliDataLoaders.from_dblock(dblock, 'missing/path', device='cpu')
+    with pytest.raises(ValueError, match=f"no images in '{tmp_path}'"):
+        DaliDataLoaders.from_dblock(dblock, tmp_path, device='cpu')
+    names = DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=lambda d: list(d['fname']), get_y=lambda f: 'a',
+                      splitter=RandomSplitter(seed=0))
+    monkeypatch.chdir(tmp_path)  # the names are relative to the data's folder, not this one
+    for skip in (False, True):
+        with pytest.raises(ValueError, match=r"none of the \d+ image paths exists .*get_items, with its get_x, must return image paths"):
+            DaliDataLoaders.from_dblock(names, df, device='cpu', skip_bad_files=skip)
+
+
+def test_predict_on_a_file_that_is_not_an_image(tmp_path):
+    "predict and test_dl take no skip_bad_files: their error says what to pass them instead"
+    dls = DaliDataLoaders.from_folder(fmnist_path(), bs=16, size=28, device='cpu', seed=0)
+    learn = vision_learner(dls, resnet18, pretrained=False)
+    text = tmp_path/'not_an_image.jpg'
+    text.write_text('hello')
+    for call in (lambda: learn.predict(text), lambda: dls.test_dl([text])):
+        with pytest.raises(ValueError) as e: call()
+        assert 'not a readable image: pass predict or test_dl an image file' in str(e.value) and 'skip_bad_files' not in str(e.value)
+
 def small_cnn(c):
     "A small convolutional model that learns Fashion-MNIST well above chance in one or two CPU epochs"
     from torch import nn

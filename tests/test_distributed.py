@@ -223,6 +223,21 @@ def test_resumed_run_sees_the_same_items_and_ends_with_the_same_weights(files, t
     for p,q in zip(a.model.parameters(), c.model.parameters()): assert torch.equal(p, q), "same schedule, same updates"
 
 
+
+def test_resumed_recorder_matches_fastais_own_resume(files, tmp_path):
+    """A run resumed after its first epoch records what fastai's own resume (`fit(..., start_epoch=1)`, its
+    `SkipToEpoch`) records: an empty row for the skipped epoch, then one row an epoch, at the same iteration counts"""
+    class SaveAfterFirstEpoch(Callback):
+        def after_epoch(self): self.learn.save('ckpt'); raise CancelFitException
+    first = _learner(files, tmp_path, SaveAfterFirstEpoch())
+    with first.no_bar(), first.no_logging(): first.fit_one_cycle(3, 1e-2)
+    ours = _learner(files, tmp_path); ours.load('ckpt')
+    with ours.no_bar(), ours.no_logging(): ours.fit_one_cycle(3, 1e-2)
+    theirs = _learner(files, tmp_path)
+    with theirs.no_bar(), theirs.no_logging(): theirs.fit_one_cycle(3, 1e-2, start_epoch=1)
+    shape = lambda rec: ([len(v) for v in rec.values], rec.iters)
+    assert shape(ours.recorder) == shape(theirs.recorder) == ([0, 2, 2], [0, 7, 14]), (ours.recorder.values, theirs.recorder.values)
+
 AUGMENTATIONS = {'keywords': dict(size=8, p_rotate=0.5, p_vflip=0.5),
                  # fastai's own draws, made on the host and fed by an external_source: DALI's checkpoint restores its iteration
                  'fastai tfms': dict(item_tfms=Resize(8), batch_tfms=aug_transforms(p_lighting=0.5, max_warp=0.3))}

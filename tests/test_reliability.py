@@ -102,12 +102,16 @@ def test_keyboard_interrupt_inside_dali(files, train, drain_limit, when):
 @contextmanager
 def interrupt_after(seconds:float):
     """Press Ctrl-C once, `seconds` from now: a real SIGINT to the main thread, handled by Python's default handler
-    (which raises KeyboardInterrupt wherever the main thread is, or where the loader lets it through)"""
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    (which raises KeyboardInterrupt wherever the main thread is, or where the loader lets it through). The handler is
+    installed here and the one before restored after: a test run started in the background (`&`, `nohup`) inherits
+    SIGINT ignored, and the test must not depend on how it was started"""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(seconds, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT))
     timer.start()
     try: yield
-    finally: timer.cancel(); timer.join()
+    finally:
+        timer.cancel(); timer.join()
+        signal.signal(signal.SIGINT, old)
 
 
 def warm_epoch_seconds(dl)->float:
