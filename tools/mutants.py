@@ -142,6 +142,19 @@ MUTANTS = [
                   "copies[dtype, device] = [c.to(dtype=dtype, device=device) for c in self.cell_anchors]",
                   "cell anchors kept per dtype, made from the first ones"),
     ('faststep', "if self.freeze_gc: GCFreeze.start()", "pass", "Python's collector skips the objects alive at a fit's start"),
+    # fastai's optimizer and metrics, kept by FastStep (issue 41: promises no test held)
+    ('fastopt', "g.update(self.step_kind.group(self.hypers[g['fastai_group']], g['do_wd']))",
+                "g.update(self.step_kind.group(self.hypers[0], g['do_wd']))", "each parameter group keeps its own lr, mom, wd"),
+    ('fastopt', "        self.opt.state = defaultdict(dict)", "        pass", "clear_state empties the optimizer's moments"),
+    ('fastopt', "elif p in self.had_grad: p.grad = torch.zeros_like(p)", "elif False: pass",
+                "a parameter that had a gradient steps on a zero one, as under fastai's in-place zero_grad"),
+    ('fastopt', "def _wd(h, do_wd): return h['wd'] if do_wd else 0.", "def _wd(h, do_wd): return h['wd']",
+                "no weight decay on norm layers and biases (wd_bn_bias=False)"),
+    ('fastopt', "if g['do_wd'] and h['wd'] != 0 and ps:", "if h['wd'] != 0 and ps:",
+                "no weight decay on norm layers and biases (wd_bn_bias=False), SGD and RMSProp"),
+    ('faststep', "return self.func(targs, preds, **self.kwargs) if self.invert_args else self.func(preds, targs, **self.kwargs)",
+                 "return self.func(preds, targs, **self.kwargs) if self.invert_args else self.func(targs, preds, **self.kwargs)",
+                 "device metrics called in fastai's argument order (invert_arg)"),
 ]
 
 FAST = ['tests/test_defaults.py', 'tests/test_augment_stats.py']
@@ -161,6 +174,7 @@ SELECTIONS = {  # per module: pytest arguments, relative to the repository root
     'masks': ['tests/test_mask_sampling.py'],
     'steps': ['tests/test_mask_sampling.py'],
     'faststep': ['tests/test_faststep.py'],
+    'fastopt': ['tests/test_faststep.py'],
 }
 SELECTIONS['epoch'] = SELECTIONS['loader']  # the batch arithmetic and `DaliEpoch` keep the loader's promises
 ALL_TESTS = ['tests', '--ignore', 'tests/test_notebooks.py']
