@@ -20,7 +20,7 @@ from fastai.vision.learner import vision_learner
 from dali_fastai.all import *
 from dali_fastai.fastopt import FastOptimizer, torch_step
 from dali_fastai.faststep import FastStep
-from helpers import fmnist_path, fmnist_subset
+from helpers import fmnist_path, fmnist_subset, needs_gpu
 from test_distributed import _learner
 
 SIZE = 28
@@ -322,3 +322,30 @@ def test_device_metrics_call_fastai_s_argument_order(tmp_path):
     precision,recall,_,share = want
     assert abs(precision - recall) > 0.01 and share > 0, want  # the order matters for these values
     assert got == pytest.approx(want, abs=1e-6), (got, want)
+
+
+@needs_gpu('FastStep(graph=True) captures on a CUDA device')
+def test_the_capture_s_warm_up_leaves_the_buffers_as_they_were(tmp_path):
+    """make_graphed_callables runs warm-up passes before it captures: GraphCapture puts the buffers back, so after the first
+    (captured) batch the BatchNorm statistics and batch counts are those one uncaptured batch leaves"""
+    from fastai.callback.core import Callback
+    from fastai.data.core import DataLoaders
+    from fastai.data.load import DataLoader
+    class FirstBatch(Callback):
+        def after_batch(self):
+            if self.training: raise CancelFitException
+    g = torch.Generator().manual_seed(0)
+    ds = list(zip(torch.randn(32, 3, 16, 16, generator=g), torch.randint(0, 2, (32,), generator=g)))
+    def buffers(graph):
+        dls = DataLoaders(DataLoader(ds[:16], bs=8), DataLoader(ds[16:], bs=8))  # no shuffle: the same first batch
+        learn = Learner(dls, small_cnn(2).cuda(), loss_func=CrossEntropyLossFlat(), path=tmp_path, cbs=[FastStep(graph=graph), FirstBatch()])
+        start = {k: v.clone() for k,v in learn.model.named_buffers()}
+        with quiet(learn), warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter('always'); learn.fit(1, 1e-2)
+        assert not [x for x in w if 'FastStep(graph=True)' in str(x.message)]  # a refused or failed capture warns
+        return start,{k: v.detach().clone() for k,v in learn.model.named_buffers()}
+    (start,eager),(_,captured) = buffers(False),buffers(True)
+    assert eager.keys() == captured.keys() and any('running_mean' in k for k in eager)
+    for k in eager:
+        if 'num_batches_tracked' in k: assert eager[k].item() == captured[k].item() == start[k].item() + 1, k
+        else: assert not torch.equal(eager[k], start[k]) and torch.allclose(captured[k], eager[k], rtol=1e-4, atol=1e-6), k
