@@ -155,6 +155,23 @@ MUTANTS = [
     ('faststep', "return self.func(targs, preds, **self.kwargs) if self.invert_args else self.func(preds, targs, **self.kwargs)",
                  "return self.func(preds, targs, **self.kwargs) if self.invert_args else self.func(targs, preds, **self.kwargs)",
                  "device metrics called in fastai's argument order (invert_arg)"),
+    # detectors and their targets against torchvision's and fastai's behaviour on the same input
+    ('detectors', "boxes = boxes.float() + torch.stack([labels*(w + 1), img*(h + 1)], 1).repeat(1, 2)",
+                  "boxes = boxes.float() + torch.stack([labels*(w + 1), img*(w + 1)], 1).repeat(1, 2)",
+                  "NMS keeps the images of a tall batch apart"),
+    ('detectors', "match &= dist.min(dim=3).values > 0", "match &= dist.min(dim=3).values >= 0",
+                  "FCOS: an anchor point on a box edge is outside"),
+    ('detectors', "and min(self.min_size[0]/min(h, w), self.max_size/max(h, w)) == 1.)", "and True)",
+                  "images larger than max_size are resized with their boxes"),
+    ('detectors', "if all(tuple(s) == tuple(o) for s,o in zip(image_shapes, original_image_sizes)): return result", "return result",
+                  "detections of resized images scaled back to the images' size"),
+    ('detectors', "return {**state, 'cell_anchors': self.__dict__.get('_cells', {}).get(None, self.cell_anchors)}",
+                  "return {**state, 'cell_anchors': self.cell_anchors}", "an exported detector carries the first (float32) cell anchors"),
+    ('detection', "**{'backend': coco_backend(), **kwargs}", "**{**kwargs, 'backend': coco_backend()}",
+                  "DetectionMAP: a backend the user names wins"),
+    ('targets', "b = _enclosing(geo.scaled(geo.points(_corners(rows)))).clamp(-1, 1) if rows.shape[1] else rows",
+                "b = _enclosing(geo.scaled(geo.points(_corners(rows)))) if rows.shape[1] else rows",
+                "boxes over the image's border clipped to it, as fastai's clip_remove_empty"),
 ]
 
 FAST = ['tests/test_defaults.py', 'tests/test_augment_stats.py']
