@@ -518,7 +518,7 @@ EVAL_CASES = {'many': dict(score_thresh=0.), 'cut at 3': dict(score_thresh=0., d
 def test_padded_eval_is_the_losses_and_torchvision_s_detections(arch, case):
     """One backbone forward gives `padded_losses`' losses (normalization layers in evaluation mode) and torchvision's
     detections image by image: many candidates, detections_per_img cutting, few candidates a level, none above the threshold"""
-    from dali_fastai.detectors import _loss_mode
+    from dali_fastai.postprocess import _loss_mode
     torch.manual_seed(0)
     model = small_detector(5, (64, 96), arch, fpn_channels=32, **EVAL_CASES[case]).eval()
     x,targets = torch.randn(6, 3, 64, 96),padded_targets(scene([3, 0, 2, 1, 4, 2], size=64))
@@ -540,7 +540,7 @@ def test_padded_eval_is_the_losses_and_torchvision_s_detections(arch, case):
 def test_batch_detections_are_torchvision_s_of_the_same_outputs(arch):
     "Scores drawn so that many pass: an image with none above the threshold, levels cut to topk_candidates, images cut to detections_per_img"
     from torchvision.models.detection.image_list import ImageList
-    from dali_fastai.detectors import batch_detections
+    from dali_fastai.postprocess import batch_detections
     torch.manual_seed(1)
     model = small_detector(5, (64, 96), arch, fpn_channels=32, score_thresh=0.3, topk_candidates=40, detections_per_img=25).eval()
     with torch.no_grad(): head_outputs,anchors,levels = model._outputs(ImageList(torch.randn(5, 3, 64, 96), [(64, 96)]*5))
@@ -560,13 +560,13 @@ def test_padded_eval_takes_the_targets_whole(batch):
     boxes,labels,real = fastai_to_padded(bx, lb, (64, 96))
     with pytest.raises(ValueError, match=r"takes the padded targets whole .* got only boxes, labels"):
         model.padded_eval(torch.randn(3, 3, 64, 96), boxes, labels)
-    from dali_fastai.detectors import batch_detections
+    from dali_fastai.postprocess import batch_detections
     with pytest.raises(TypeError, match="batch_detections needs a BatchedFCOS or BatchedRetinaNet .* got a Linear"):
         batch_detections(torch.nn.Linear(1, 1), {}, torch.zeros(1, 1, 4), [1], (64, 96))
 
 def test_boxes_of_other_images_or_classes_never_suppress_each_other():
     "One box, copied to each image and each class: NMS over the batch keeps every copy"
-    from dali_fastai.detectors import _nms
+    from dali_fastai.postprocess import _nms
     boxes = torch.tensor([[0., 0., 96., 64.]]).repeat(6, 1)
     img,labels = torch.tensor([0, 0, 1, 1, 2, 2]),torch.tensor([1, 2, 1, 2, 1, 2])
     assert sorted(_nms(boxes, torch.rand(6), labels, img, (64, 96), 0.5, [2, 2, 2]).tolist()) == list(range(6))
@@ -574,7 +574,7 @@ def test_boxes_of_other_images_or_classes_never_suppress_each_other():
 
 def test_nms_groups_images_to_bound_its_mask(monkeypatch):
     "Candidates of many images go through NMS in groups of at most NMS_ROWS (an image with more alone), keeping what one call keeps"
-    import dali_fastai.detectors as D
+    import dali_fastai.postprocess as D
     assert D._groups([3, 2, 4, 9, 1], 5) == [(0, 5), (5, 9), (9, 18), (18, 19)]
     assert D._groups([0, 0], 5) == [] and D._groups([6], 5) == [(0, 6)]
     torch.manual_seed(0)
@@ -592,7 +592,7 @@ def test_nms_groups_images_to_bound_its_mask(monkeypatch):
 def test_adapter_validates_with_one_backbone_forward(batch, arch):
     """DetectionAdapter in validation: one backbone forward for the losses and the detections (two before `padded_eval`),
     the detections torchvision's evaluation's and the losses its training step's with normalization layers in evaluation mode"""
-    from dali_fastai.detectors import _loss_mode
+    from dali_fastai.postprocess import _loss_mode
     _,bx,lb,_,_ = batch
     torch.manual_seed(0)
     model = DetectionAdapter(small_detector(4, (64, 96), arch, fpn_channels=32, score_thresh=0.)).eval()
@@ -612,7 +612,7 @@ def test_adapter_validates_with_one_backbone_forward(batch, arch):
 def test_adapter_validation_falls_back_to_torchvision_s_steps(batch, kind):
     """A batch the detector's transform resizes (96 px for a 128 px detector), or a detector without `padded_eval`: the
     training forward for the losses, then torchvision's evaluation forward"""
-    from dali_fastai.detectors import _loss_mode
+    from dali_fastai.postprocess import _loss_mode
     _,bx,lb,_,_ = batch
     torch.manual_seed(0)
     model = small_detector(5, 128, 'fcos', fpn_channels=32, score_thresh=0.)
@@ -647,7 +647,7 @@ def test_padded_eval_on_the_gpu_is_torchvision_s(arch):
 def test_nms_keeps_the_images_of_a_tall_batch_apart():
     "Height above width: the same boxes in two images (and overlapping ones within each) keep what torchvision's batched_nms keeps image by image"
     from torchvision.ops import batched_nms
-    from dali_fastai.detectors import _nms
+    from dali_fastai.postprocess import _nms
     h,w = 128, 16
     g = torch.Generator().manual_seed(0)
     one = torch.tensor([[0., 0., 16., 128.], [0., 4., 16., 120.], [2., 0., 14., 60.], [0., 70., 16., 128.]])  # tall boxes, some overlapping
