@@ -42,8 +42,8 @@ with warnings.catch_warnings():
     from dali_fastai.distributed import DaliDistributed, DaliCheckpoint
     from dali_fastai.datasets import FASHION_MNIST_CLASSES, fashion_mnist_df, write_once, fashion_mnist
     from dali_fastai.scenes import SCENE_CODES, fashion_scenes
-    from dali_fastai.detectors import (small_detector, BatchedTransform, BatchedFCOS, BatchedRetinaNet, CachedAnchors, padded_targets, unpadded_targets, BoxCheck,
-        padded_detections, batch_detections, eval_per_image)
+    from dali_fastai.detectors import (small_detector, BatchedTransform, BatchedFCOS, BatchedRetinaNet, CachedAnchors, padded_targets, unpadded_targets, BoxCheck)
+    from dali_fastai.postprocess import padded_detections, batch_detections, eval_per_image
     from dali_fastai.detection import (fastai_to_targets, fastai_to_padded, DetectionAdapter, detection_loss, DetectionLoss, DetectionTargets, coco_backend, DetectionMAP, DetectionLearner, detection_learner)
     from dali_fastai.measure import bench_images, side_by_side, loader_throughput, Throughput, training_throughput, clock_slowdowns
     from dali_fastai.baselines import COMPILED, fastai_aug_tfms, fastai_default_dls, aug_transforms_dls

@@ -17,7 +17,8 @@ from fastai.learner import Learner, Metric
 from fastai.torch_core import TensorMultiCategory
 from fastai.vision.core import TensorBBox
 from fastai.vision.data import get_grid
-from .detectors import unpadded_targets, padded_detections, eval_per_image
+from .detectors import unpadded_targets
+from .postprocess import padded_detections, eval_per_image
 from .util import _needs
 
 # %% ../nbs/07c_detection.ipynb #390b0111

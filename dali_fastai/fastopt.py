@@ -80,7 +80,7 @@ class FastOptimizer(_BaseOptimizer):
                  step:TorchStep,    # the PyTorch optimizer that does the arithmetic
                 ):
         self.param_lists,self.hypers = L(L(pg) for pg in param_lists),L(dict(h) for h in hypers)
-        self.step_kind,self.state,self.frozen_idx = step,defaultdict(dict),0
+        self.step_kind,self.state,self.frozen_idx,self.had_grad = step,defaultdict(dict),0,set()
         self._build()
 
     @classmethod
@@ -112,13 +112,21 @@ class FastOptimizer(_BaseOptimizer):
             ps = [p for p in g['params'] if p.grad is not None]
             if g['do_wd'] and h['wd'] != 0 and ps: torch._foreach_mul_(ps, 1 - h['lr']*h['wd'])
 
+    def _zero_missing(self):
+        "fastai zeroes gradients in place, so a parameter that had a gradient steps on a zero one after (its momentum, its weight decay): the same here"
+        for g in self.opt.param_groups:
+            for p in g['params']:
+                if p.grad is not None: self.had_grad.add(p)
+                elif p in self.had_grad: p.grad = torch.zeros_like(p)
+
     def step(self, closure=None):
         if closure is not None: raise NotImplementedError("fastai optimizers do not support closure")
         self._sync_hypers()
+        self._zero_missing()
         if self.step_kind.own_wd: self._decay()
         self.opt.step()
 
-    def zero_grad(self): self.opt.zero_grad(set_to_none=True)
+    def zero_grad(self): self.opt.zero_grad(set_to_none=True) # no gradient memory held through the forward; `_zero_missing` gives fastai's zeros back
     def clear_state(self):
         for p,*_ in self.all_params():
             self.state[p] = {k: v for k,v in self.state[p].items() if k in self._keep_on_clear}

@@ -310,3 +310,20 @@ def test_box_batches_do_not_wait_for_the_gpu(scenes):
     (_,b,l),(_,cb,cl) = batches[0],next(iter(cpu.valid))
     assert b.device.type == 'cuda' and l.device.type == 'cuda' and type(b).__name__ == 'TensorBBox'
     assert torch.equal(l.cpu(), cl) and (b.cpu() - cb).abs().max() < 1e-5
+
+
+def test_boxes_over_the_border_are_clipped_as_fastai_clips_them(tmp_path):
+    """Boxes that overhang the image (annotations past its border, and boxes a centre crop cuts) are clipped to it, and a box
+    left with no area is dropped with its label, as fastai's `clip_remove_empty` (`bb_pad`) does: the same validation batch"""
+    ann = {}
+    for i in range(4):
+        f = tmp_path/f"{'valid' if i >= 2 else 'train'}_{i}.png"
+        Image.fromarray(np.full((H, W, 3), 128, np.uint8)).save(f)
+        ann[f.name] = ([[-10., 20., 40., 60.], [100., -5., 140., 30.], [60. + i, 70., 90., 110.], [-30., 10., -5., 40.]],
+                       ['red', 'green', 'blue', 'red'])  # past the left, the top-right, the bottom; the last wholly outside
+    for item in (Resize(96, method='squish'), Resize(96)):  # squish: past the border; crop: also cut at the sides
+        dls = DaliDataLoaders.from_dblock(box_dblock(ann, item), tmp_path, bs=2, device=DEVICE, seed=0)
+        theirs = box_dblock(ann, item).dataloaders(tmp_path, bs=2, num_workers=0, device='cpu')
+        (_,b,l),(_,fb,fl) = dls.valid.one_batch(),theirs.valid.one_batch()
+        assert b.shape == fb.shape == (2, 3, 4) and b.abs().max() <= 1 and (b.abs() == 1).any()
+        assert torch.equal(l.cpu(), fl.cpu()) and (b.cpu() - fb.cpu()).abs().max() < 1e-5, (b, fb)

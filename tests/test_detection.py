@@ -518,7 +518,7 @@ EVAL_CASES = {'many': dict(score_thresh=0.), 'cut at 3': dict(score_thresh=0., d
 def test_padded_eval_is_the_losses_and_torchvision_s_detections(arch, case):
     """One backbone forward gives `padded_losses`' losses (normalization layers in evaluation mode) and torchvision's
     detections image by image: many candidates, detections_per_img cutting, few candidates a level, none above the threshold"""
-    from dali_fastai.detectors import _loss_mode
+    from dali_fastai.postprocess import _loss_mode
     torch.manual_seed(0)
     model = small_detector(5, (64, 96), arch, fpn_channels=32, **EVAL_CASES[case]).eval()
     x,targets = torch.randn(6, 3, 64, 96),padded_targets(scene([3, 0, 2, 1, 4, 2], size=64))
@@ -540,7 +540,7 @@ def test_padded_eval_is_the_losses_and_torchvision_s_detections(arch, case):
 def test_batch_detections_are_torchvision_s_of_the_same_outputs(arch):
     "Scores drawn so that many pass: an image with none above the threshold, levels cut to topk_candidates, images cut to detections_per_img"
     from torchvision.models.detection.image_list import ImageList
-    from dali_fastai.detectors import batch_detections
+    from dali_fastai.postprocess import batch_detections
     torch.manual_seed(1)
     model = small_detector(5, (64, 96), arch, fpn_channels=32, score_thresh=0.3, topk_candidates=40, detections_per_img=25).eval()
     with torch.no_grad(): head_outputs,anchors,levels = model._outputs(ImageList(torch.randn(5, 3, 64, 96), [(64, 96)]*5))
@@ -560,13 +560,13 @@ def test_padded_eval_takes_the_targets_whole(batch):
     boxes,labels,real = fastai_to_padded(bx, lb, (64, 96))
     with pytest.raises(ValueError, match=r"takes the padded targets whole .* got only boxes, labels"):
         model.padded_eval(torch.randn(3, 3, 64, 96), boxes, labels)
-    from dali_fastai.detectors import batch_detections
+    from dali_fastai.postprocess import batch_detections
     with pytest.raises(TypeError, match="batch_detections needs a BatchedFCOS or BatchedRetinaNet .* got a Linear"):
         batch_detections(torch.nn.Linear(1, 1), {}, torch.zeros(1, 1, 4), [1], (64, 96))
 
 def test_boxes_of_other_images_or_classes_never_suppress_each_other():
     "One box, copied to each image and each class: NMS over the batch keeps every copy"
-    from dali_fastai.detectors import _nms
+    from dali_fastai.postprocess import _nms
     boxes = torch.tensor([[0., 0., 96., 64.]]).repeat(6, 1)
     img,labels = torch.tensor([0, 0, 1, 1, 2, 2]),torch.tensor([1, 2, 1, 2, 1, 2])
     assert sorted(_nms(boxes, torch.rand(6), labels, img, (64, 96), 0.5, [2, 2, 2]).tolist()) == list(range(6))
@@ -574,7 +574,7 @@ def test_boxes_of_other_images_or_classes_never_suppress_each_other():
 
 def test_nms_groups_images_to_bound_its_mask(monkeypatch):
     "Candidates of many images go through NMS in groups of at most NMS_ROWS (an image with more alone), keeping what one call keeps"
-    import dali_fastai.detectors as D
+    import dali_fastai.postprocess as D
     assert D._groups([3, 2, 4, 9, 1], 5) == [(0, 5), (5, 9), (9, 18), (18, 19)]
     assert D._groups([0, 0], 5) == [] and D._groups([6], 5) == [(0, 6)]
     torch.manual_seed(0)
@@ -592,7 +592,7 @@ def test_nms_groups_images_to_bound_its_mask(monkeypatch):
 def test_adapter_validates_with_one_backbone_forward(batch, arch):
     """DetectionAdapter in validation: one backbone forward for the losses and the detections (two before `padded_eval`),
     the detections torchvision's evaluation's and the losses its training step's with normalization layers in evaluation mode"""
-    from dali_fastai.detectors import _loss_mode
+    from dali_fastai.postprocess import _loss_mode
     _,bx,lb,_,_ = batch
     torch.manual_seed(0)
     model = DetectionAdapter(small_detector(4, (64, 96), arch, fpn_channels=32, score_thresh=0.)).eval()
@@ -612,7 +612,7 @@ def test_adapter_validates_with_one_backbone_forward(batch, arch):
 def test_adapter_validation_falls_back_to_torchvision_s_steps(batch, kind):
     """A batch the detector's transform resizes (96 px for a 128 px detector), or a detector without `padded_eval`: the
     training forward for the losses, then torchvision's evaluation forward"""
-    from dali_fastai.detectors import _loss_mode
+    from dali_fastai.postprocess import _loss_mode
     _,bx,lb,_,_ = batch
     torch.manual_seed(0)
     model = small_detector(5, 128, 'fcos', fpn_channels=32, score_thresh=0.)
@@ -640,3 +640,91 @@ def test_padded_eval_on_the_gpu_is_torchvision_s(arch):
         theirs = model(list(x))
     assert len(calls) == 1 and sum(len(t['scores']) for t in theirs) > 64*10
     same_detections({k: v.cpu() for k,v in dets.items()}, [{k: v.cpu() for k,v in t.items()} for t in theirs])
+
+
+# issue 41: promises no test held, each against torchvision's (or fastai's) behaviour on the same input
+
+def test_nms_keeps_the_images_of_a_tall_batch_apart():
+    "Height above width: the same boxes in two images (and overlapping ones within each) keep what torchvision's batched_nms keeps image by image"
+    from torchvision.ops import batched_nms
+    from dali_fastai.postprocess import _nms
+    h,w = 128, 16
+    g = torch.Generator().manual_seed(0)
+    one = torch.tensor([[0., 0., 16., 128.], [0., 4., 16., 120.], [2., 0., 14., 60.], [0., 70., 16., 128.]])  # tall boxes, some overlapping
+    boxes = torch.cat([one, one])
+    img,labels = torch.tensor([0]*4 + [1]*4),torch.tensor([1, 1, 1, 2]*2)
+    scores = torch.rand(8, generator=g)
+    kept = _nms(boxes, scores, labels, img, (h, w), 0.5, [4, 4])
+    for i in range(2):
+        m = img == i
+        theirs = batched_nms(boxes[m], scores[m], labels[m], 0.5) + 4*i
+        assert kept[img[kept] == i].tolist() == theirs.tolist(), i
+    assert len(kept) == 6  # the second box of each image is suppressed by the first, and nothing across the images
+
+
+def test_fcos_leaves_an_anchor_point_on_a_box_edge_outside():
+    "Boxes whose edges pass through anchor points (multiples of the stride): those anchors are outside, as torchvision's `> 0` has it"
+    from types import SimpleNamespace
+    from torchvision.models.detection import FCOS
+    from dali_fastai.detectors import _image_list
+    torch.manual_seed(0)
+    model = small_detector(5, (64, 96), 'fcos', fpn_channels=32)
+    targets = [{'boxes': torch.tensor([[16., 16., 32., 32.], [40., 8., 72., 40.], [0., 24., 24., 56.]]), 'labels': torch.tensor([1, 2, 3])},
+               {'boxes': torch.tensor([[8., 8., 24., 40.]]), 'labels': torch.tensor([4])}]
+    with torch.no_grad(): head_outputs,anchors,levels = model._outputs(_image_list(torch.randn(2, 3, 64, 96)))
+    centres = (anchors[0, :, :2] + anchors[0, :, 2:]) / 2
+    on_edge = [((centres[:, 0] == b[0]) | (centres[:, 0] == b[2]) | (centres[:, 1] == b[1]) | (centres[:, 1] == b[3])).sum()
+               for t in targets for b in t['boxes']]
+    assert all(n > 0 for n in on_edge)
+    seen = []
+    spy = SimpleNamespace(center_sampling_radius=model.center_sampling_radius,
+                          head=SimpleNamespace(compute_loss=lambda targets, head_outputs, anchors, matched: seen.append(matched)))
+    FCOS.compute_loss(spy, targets, head_outputs, list(anchors), levels)  # torchvision's assignment, image by image
+    boxes,_,_ = padded_targets(targets)
+    ours = model.match(boxes, anchors, levels)
+    for i,theirs in enumerate(seen[0]): assert torch.equal(ours[i], theirs), i
+    assert (ours >= 0).sum() > 5
+
+
+@pytest.mark.parametrize('size', [(160, 192), (64, 96)], ids=['larger than max_size', 'at the size'])
+def test_batched_transform_resizes_what_torchvision_resizes(size):
+    "Images larger than the detector's max_size are resized with their boxes, as torchvision's transform does; images at its size go through as they are"
+    from torchvision.models.detection.transform import GeneralizedRCNNTransform
+    t = small_detector(5, (64, 96), fpn_channels=32).transform  # min_size 64, max_size 96
+    theirs = GeneralizedRCNNTransform(t.min_size, t.max_size, t.image_mean, t.image_std, size_divisible=t.size_divisible)
+    xs = list(torch.rand(2, 3, *size))
+    targets = [{'boxes': torch.tensor([[10., 20., 90., 150.]]), 'labels': torch.tensor([1])},
+               {'boxes': torch.tensor([[0., 0., 40., 30.], [50., 60., 60., 64.]]), 'labels': torch.tensor([2, 3])}]
+    (a,ta),(b,tb) = t(xs, [dict(x) for x in targets]),theirs(xs, [dict(x) for x in targets])
+    assert a.image_sizes == b.image_sizes and torch.equal(a.tensors, b.tensors)
+    for x,y in zip(ta, tb): assert torch.allclose(x['boxes'], y['boxes']) and torch.equal(x['labels'], y['labels'])
+    if size == (160, 192): assert a.image_sizes[0] == (64, 76) and not torch.allclose(ta[0]['boxes'], targets[0]['boxes'])  # 0.4x
+    else: assert t.unchanged(xs) and torch.equal(a.tensors, torch.stack(xs))
+    dets = [{'boxes': torch.tensor([[8., 8., 40., 60.]]), 'labels': torch.tensor([1]), 'scores': torch.tensor([0.9])}]
+    t.eval(); theirs.eval()  # detections are scaled back in evaluation only
+    back = [t.postprocess([dict(d) for d in dets], a.image_sizes[:1], [size]), theirs.postprocess([dict(d) for d in dets], b.image_sizes[:1], [size])]
+    assert torch.allclose(back[0][0]['boxes'], back[1][0]['boxes'])  # detections scaled back to the images' size
+    assert torch.equal(back[0][0]['boxes'], dets[0]['boxes']) == (size == (64, 96))
+
+
+def test_an_exported_detector_carries_the_first_cell_anchors(scene_learner, tmp_path):
+    "export/load_learner after a bf16 batch: the detector's cell anchors are the float32 ones torchvision's AnchorGenerator makes"
+    from fastai.learner import load_learner
+    from torchvision.models.detection.anchor_utils import AnchorGenerator
+    learn = scene_learner
+    gen = learn.model.model.anchor_generator
+    x = learn.dls.valid.one_batch()[0]
+    with torch.no_grad(), torch.autocast('cpu', dtype=torch.bfloat16): learn.model.model.eval()(list(x[:1]))
+    assert gen.cell_anchors[0].dtype == torch.bfloat16  # the last batch's
+    learn.export(tmp_path/'detector.pkl')
+    again = load_learner(tmp_path/'detector.pkl').model.model.anchor_generator
+    fresh = AnchorGenerator(gen.sizes, gen.aspect_ratios)
+    assert all(a.dtype == torch.float32 and torch.equal(a, b) for a,b in zip(again.cell_anchors, fresh.cell_anchors))
+
+
+def test_a_named_map_backend_wins():
+    "DetectionMAP(backend=...): the backend named is the one torchmetrics evaluates with; the default is `coco_backend()`'s"
+    from dali_fastai.detection import coco_backend
+    pytest.importorskip('pycocotools'); pytest.importorskip('faster_coco_eval')  # with both, the default is not pycocotools
+    assert DetectionMAP().mean_ap._coco_backend.backend == coco_backend() == 'faster_coco_eval'
+    assert DetectionMAP(backend='pycocotools').mean_ap._coco_backend.backend == 'pycocotools'
