@@ -18,7 +18,7 @@ with warnings.catch_warnings():
     from dali_fastai.draws import fastai_rng, HostDraws
     from dali_fastai.colour import COLOUR_TFMS, neg_logit, power_form, colour_unsupported, lighting_draws, colour_node
     from dali_fastai.pipeline import (HW_DECODER_HINT, IMAGENET_MEAN, IMAGENET_STD, read_files, decoder_args,
-        decode_random_crop, decode_center_crop, augment_steps, train_pipeline, valid_pipeline)
+        decode_random_crop, decode_center_crop, augment_steps, train_pipeline, valid_pipeline, keep_decoder, release_decoders)
     from dali_fastai.util import cache_dir, cached_file_values
     from dali_fastai.files import check_image, check_images
     from dali_fastai.steps import RandomBoxCrop, ItemStep, GeometryStep, ItemFlip
@@ -27,7 +27,7 @@ with warnings.catch_warnings():
     from dali_fastai.annotations import ImageBoxes, read_coco, read_voc, to_fastai, from_fastai
     from dali_fastai.checks import check_arg, check_settings
     from dali_fastai.items import Target, ImageItems, usable_items
-    from dali_fastai.epoch import n_batches, batches_per_rank, priority_stream, DaliEpoch, PipelineSource, to_device_async
+    from dali_fastai.epoch import n_batches, batches_per_rank, priority_stream, DaliEpoch, PipelineSource, FileFeed, FedSource, to_device_async
     from dali_fastai.loader import FULL_CHECK_LIMIT, DaliNormalize, DaliDataLoader
     from dali_fastai.targets import BoxTarget, BoxLabelTarget, PointTarget
     from dali_fastai.masks import prepare_masks, mask_values, check_mask_values, MaskTarget
@@ -50,17 +50,18 @@ with warnings.catch_warnings():
     from dali_fastai.bench import bench, format_results
     from dali_fastai.taskbench import task_bench, detection_bench, segmentation_bench, scale_bench, time_to_accuracy, shards_bench
     from dali_fastai.stepbench import PlainLoop, HostClock, step_bench, task_step_bench, task_time_to_accuracy
+    from dali_fastai.sessionbench import session_run, session_bench, format_session
 
 # %% ../nbs/10_all.ipynb #f745ce07
 __all__ = ['warp_matrix', 'synthetic_warps', 'rotation_matrix', 'compose_matrices', 'random_warps_node',
            'affine_steps', 'subset_product_node', 'fastai_rng', 'HostDraws', 'COLOUR_TFMS', 'neg_logit',
            'power_form', 'colour_unsupported', 'lighting_draws', 'colour_node', 'HW_DECODER_HINT', 'IMAGENET_MEAN',
            'IMAGENET_STD', 'read_files', 'decoder_args', 'decode_random_crop', 'decode_center_crop', 'augment_steps',
-           'train_pipeline', 'valid_pipeline', 'check_image', 'cache_dir', 'check_images', 'cached_file_values',
+           'train_pipeline', 'valid_pipeline', 'keep_decoder', 'release_decoders', 'check_image', 'cache_dir', 'check_images', 'cached_file_values',
            'RandomBoxCrop', 'ItemStep', 'GeometryStep', 'ItemFlip', 'ImageRecipe', 'fastai_recipe', 'keyword_recipe', 'geometry_outputs',
            'ImageBoxes', 'read_coco', 'read_voc', 'to_fastai', 'from_fastai', 'check_arg', 'check_settings',
            'FULL_CHECK_LIMIT', 'n_batches', 'batches_per_rank', 'priority_stream', 'DaliNormalize', 'Target',
-           'ImageItems', 'usable_items', 'DaliEpoch', 'PipelineSource', 'to_device_async', 'DaliDataLoader', 'BoxTarget', 'BoxLabelTarget',
+           'ImageItems', 'usable_items', 'DaliEpoch', 'PipelineSource', 'FileFeed', 'FedSource', 'to_device_async', 'DaliDataLoader', 'BoxTarget', 'BoxLabelTarget',
            'PointTarget', 'prepare_masks', 'mask_values', 'check_mask_values', 'MaskTarget', 'shard_index',
            'write_shards', 'folder_shards', 'check_shards', 'parse_label', 'ShardItems', 'tfrecord_index',
            'dblock_shards', 'label_targets', 'dblock_items', 'DaliDataLoaders', 'dataloaders_for', 'detection_dataloaders',
@@ -73,4 +74,4 @@ __all__ = ['warp_matrix', 'synthetic_warps', 'rotation_matrix', 'compose_matrice
            'Throughput', 'training_throughput', 'clock_slowdowns', 'COMPILED', 'fastai_aug_tfms', 'fastai_default_dls',
            'aug_transforms_dls', 'bench', 'format_results', 'task_bench', 'detection_bench', 'segmentation_bench',
            'scale_bench', 'time_to_accuracy', 'shards_bench', 'PlainLoop', 'step_bench', 'task_step_bench',
-           'task_time_to_accuracy', 'HostClock']
+           'task_time_to_accuracy', 'HostClock', 'session_run', 'session_bench', 'format_session']

@@ -196,7 +196,7 @@ def _name(f)->np.ndarray:
 class FileFeed:
     "The names of the files (and each item's side files) of the items read now, `bs` at a time with their indices: an `fn.external_source` callback"
     def __init__(self, bs:int, # the batch size
-                ): self.bs,self.n_sides,self.files,self.sides,self.pos,self.served = bs,0,[],[],0,deque()
+                ): self.bs,self.n_sides,self.files,self.sides,self.pos,self.served,self.pad = bs,0,[],[],0,deque(),True
 
     def start(self, files:list, # image files of this epoch's items
               sides:list=(), # lists of their side files, one a kind (the pipeline must read as many)
@@ -212,9 +212,9 @@ class FileFeed:
         idx = range(self.pos, min(self.pos + self.bs, len(self.files)))
         self.pos = idx.stop
         self.served.append(len(idx))  # its items; the rest, padding, is cut by `FedSource`'s iterator
-        # the last batch padded with its last item to `bs`, as DALI's readers pad: the graph's other sources (per-sample
-        # draws) give whole batches, and DALI needs every source of a run to give as many samples
-        idx = [*idx] + [idx[-1]]*(self.bs - len(idx))
+        # where the graph has other sources (per-sample draws), which give whole batches, the last batch is padded with its
+        # last item to `bs`, as DALI's readers pad: DALI needs every source of a run to give as many samples
+        if self.pad: idx = [*idx] + [idx[-1]]*(self.bs - len(idx))
         names = lambda fs: [_name(fs[i]) for i in idx]
         return (names(self.files), [np.array([i], dtype=np.int32) for i in idx], *map(names, self.sides))
 
@@ -231,7 +231,7 @@ class _Cut:
     def reset(self): self.it.reset()
     def __next__(self)->list:
         data,n = next(self.it),self.feed.served.popleft()
-        return data if n == self.feed.bs else [{k: v[:n] for k,v in d.items()} for d in data]
+        return data if n == self.feed.bs or not self.feed.pad else [{k: v[:n] for k,v in d.items()} for d in data]
 
 class FedSource(PipelineSource):
     "A `PipelineSource` whose pipeline reads the files it is handed at each epoch's start (`FileFeed`): built once for many item sets"
@@ -256,6 +256,10 @@ class FedSource(PipelineSource):
     def _wrap(self, pipe, policy)->DALIGenericIterator:
         "DALI's iterator over `pipe`: the epoch ends when the feed does; reset at each `start`, after the feed has its files"
         self.ran = False
+        pipe.build()
+        # a feed alone in the graph serves partial batches as they are (a predict decodes one image); beside the sources
+        # of per-sample draws, which give `bs` samples a run, it pads them
+        self.feed.pad = sum('ExternalSource' in op.name for op in pipe._ops) > 1  # DALI keeps its operators in `_ops`
         return _Cut(DALIGenericIterator([pipe], self.names, last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=False,
                                         prepare_first_batch=False), self.feed)
 

@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # notebook (`grayscale` is fastai's own name too): DALI graph pieces, imported from their modules where graphs are
 # built. And the command line's functions: importing `dali_fastai.cli` sets the command's warning filters for the process.
 KEPT_IN_MODULES = {'augment', 'warp', 'normalize', 'lighting', 'maybe', 'shuffled', 'grayscale',
-                   'train', 'train_detection', 'train_segmentation', 'as_flags'}
+                   'train', 'train_detection', 'train_segmentation', 'as_flags', 'fit_and_report'}
 # Modules whose names stay there: the bench's optional peers (kornia, torchvision's transforms), which the library never
 # imports (`pip install 'dali-fastai[bench]'`), and the map of the package's own modules (`architecture`: `cycles`,
 # `rightward`, `LAYERS`), for its contributors, whose generic names a user's star import should not get

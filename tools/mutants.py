@@ -112,7 +112,7 @@ MUTANTS = [
               'masks resampled nearest'),
     ('masks', "interp_type=types.INTERP_NN, pixel_origin='center')", "interp_type=types.INTERP_NN, pixel_origin='corner')",
               'masks sampled at pixel centres'),
-    ('loader', 'side = [[f[i] for i in idx] for f in', 'side = [list(f) for f in', 'sharded in-order masks stay with their images'),
+    ('loader', 'else [[f[i] for i in idx] for f in self._side_files()]', 'else [list(f) for f in self._side_files()]', 'sharded in-order masks stay with their images'),
     # item flips: a coin of probability p for each item
     ('steps', 'dihedral_mat, p=tfm.p)', 'dihedral_mat, p=tfm.p, batch=True)', 'FlipItem, DihedralItem: a coin per item'),
     ('steps', 'dihedral_mat, p=tfm.p)', 'dihedral_mat, p=min(1., 2*tfm.p))', 'FlipItem(p), DihedralItem(p)'),
