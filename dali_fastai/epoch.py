@@ -259,7 +259,8 @@ class FedSource(PipelineSource):
         pipe.build()
         # a feed alone in the graph serves partial batches as they are (a predict decodes one image); beside the sources
         # of per-sample draws, which give `bs` samples a run, it pads them
-        self.feed.pad = sum('ExternalSource' in op.name for op in pipe._ops) > 1  # DALI keeps its operators in `_ops`
+        sources = sum('ExternalSource' in op.name for op in pipe._ops)  # DALI keeps its operators in `_ops`, one a source output
+        self.feed.pad = sources > 2 + self.feed.n_sides
         return _Cut(DALIGenericIterator([pipe], self.names, last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=False,
                                         prepare_first_batch=False), self.feed)
 
