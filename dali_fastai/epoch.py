@@ -257,10 +257,12 @@ class FedSource(PipelineSource):
         "DALI's iterator over `pipe`: the epoch ends when the feed does; reset at each `start`, after the feed has its files"
         self.ran = False
         pipe.build()
-        # a feed alone in the graph serves partial batches as they are (a predict decodes one image); beside the sources
-        # of per-sample draws, which give `bs` samples a run, it pads them
+        # the feed pads partial batches to `bs` beside the sources of per-sample draws, which give `bs` samples a run, and on
+        # the GPU, where a run of another batch size sets DALI's operators up again (a first `predict` of one image took
+        # 0.43-0.50 s on an H200 unpadded, 0.06 s padded: `dali-fastai bench --task session`, 2026-11-27); alone in the
+        # graph on DALI's CPU backend, it serves them as they are (a `predict` decodes one image, not `bs` copies)
         sources = sum('ExternalSource' in op.name for op in pipe._ops)  # DALI keeps its operators in `_ops`, one a source output
-        self.feed.pad = sources > 2 + self.feed.n_sides
+        self.feed.pad = sources > 2 + self.feed.n_sides or pipe.device_id is not None
         return _Cut(DALIGenericIterator([pipe], self.names, last_batch_policy=LastBatchPolicy.PARTIAL, auto_reset=False,
                                         prepare_first_batch=False), self.feed)
 
