@@ -172,6 +172,13 @@ MUTANTS = [
     ('targets', "b = _enclosing(geo.scaled(geo.points(_corners(rows)))).clamp(-1, 1) if rows.shape[1] else rows",
                 "b = _enclosing(geo.scaled(geo.points(_corners(rows)))) if rows.shape[1] else rows",
                 "boxes over the image's border clipped to it, as fastai's clip_remove_empty"),
+    # issue 39: a session's pipelines built once
+    ('loader', "            dl._source,dl._fed = self._source,self._fed", "            pass",
+               "get_preds reads through the validation loader's pipeline"),
+    ('data', "        valid_dl.fed_by(dls._fed_pipelines)", "        pass",
+             "validation, get_preds and predict read through one pipeline"),
+    ('epoch', "        self.feed.start(files, sides)", "        self.feed.start(files[:1], [s[:1] for s in sides])",
+              "a fed pipeline starts each epoch over the files it is handed"),
 ]
 
 FAST = ['tests/test_defaults.py', 'tests/test_augment_stats.py']
@@ -182,12 +189,12 @@ SELECTIONS = {  # per module: pytest arguments, relative to the repository root
     'loader': ['tests/test_loader_edges.py', 'tests/test_defaults.py', 'tests/test_distributed.py',
                '--deselect', 'tests/test_distributed.py::test_two_processes_through_distrib_ctx',
                'tests/test_reliability.py::test_exactly_once', 'tests/test_reliability.py::test_get_preds_exactly_once',
-               'tests/test_mask_sampling.py'],
+               'tests/test_mask_sampling.py', 'tests/test_session.py'],
     'detection': ['tests/test_detection.py'],
     'detectors': ['tests/test_detection.py'],
     'postprocess': ['tests/test_detection.py'],
     'targets': ['tests/test_box_geometry.py'],
-    'data': ['tests/test_shards.py', 'tests/test_coco_voc_loaders.py'],
+    'data': ['tests/test_shards.py', 'tests/test_coco_voc_loaders.py', 'tests/test_session.py'],
     'shardindex': ['tests/test_shards.py'],
     'masks': ['tests/test_mask_sampling.py'],
     'steps': ['tests/test_mask_sampling.py'],
