@@ -212,8 +212,8 @@ class FileFeed:
         idx = range(self.pos, min(self.pos + self.bs, len(self.files)))
         self.pos = idx.stop
         self.served.append(len(idx))  # its items; the rest, padding, is cut by `FedSource`'s iterator
-        # where the graph has other sources (per-sample draws), which give whole batches, the last batch is padded with its
-        # last item to `bs`, as DALI's readers pad: DALI needs every source of a run to give as many samples
+        # with `pad` (`FedSource` sets it: beside per-sample draws, which give whole batches, and on the GPU) the last batch
+        # is padded with its last item to `bs`, as DALI's readers pad
         if self.pad: idx = [*idx] + [idx[-1]]*(self.bs - len(idx))
         names = lambda fs: [_name(fs[i]) for i in idx]
         return (names(self.files), [np.array([i], dtype=np.int32) for i in idx], *map(names, self.sides))
@@ -236,7 +236,7 @@ class _Cut:
 class FedSource(PipelineSource):
     "A `PipelineSource` whose pipeline reads the files it is handed at each epoch's start (`FileFeed`): built once for many item sets"
     def __init__(self, names:list, # the pipeline's outputs' names
-                 bs:int, # the largest batch
+                 bs:int, # the batch size
                 ):
         super().__init__(names)
         self.feed,self.ran = FileFeed(bs),False
