@@ -233,7 +233,9 @@ class DaliDataLoader:
               )->'DaliDataLoader': # this loader
         "Read through a pipeline fed each epoch's files (`FedSource`), the one in `pool` for these settings: one build for every item set"
         if self.world_size > 1 or self.items.read is not None or self.shuffle: return self  # a shard, records, a new order each epoch: a reader's work
-        self._fed,me = True,self._settings()
+        # keyed by the outputs too: an unlabelled `test_dl` of a segmentation model reads no masks, so its pipeline gives
+        # fewer outputs than the validation loader's, which it cannot share
+        self._fed,me = True,{**self._settings(), 'outputs': tuple(self._source.names)}
         src = next((s for k,s in pool if _same(k, me)), None)
         if src is None:
             src = FedSource(self._source.names, self.bs)

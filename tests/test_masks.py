@@ -285,3 +285,14 @@ def test_mask_values_are_read_once_with_progress_on_large_sets(tmp_path, monkeyp
     assert masks.mask_values(ready)[:3] == [[0], [1], [2]] and decoded == []
     Image.fromarray(np.full((2, 3), 2, np.uint8)).save(files[0])
     assert masks.mask_values(ready)[0] == [0] and decoded == [str(files[0])]  # a mask that changed is decoded again
+
+
+def test_predicts_and_validation_keep_their_pipelines(scenes):
+    "Masks: validation reads its masks, an unlabelled test_dl reads none, so they cannot share a pipeline; each keeps its own, built once, as they alternate"
+    dls = loaders(scenes, [Resize(64)], bs=4)
+    files = sorted((scenes/'images').glob('valid_*.png'))[:2]
+    for _ in range(2):
+        assert sum(len(y) for _,y in dls.valid) == N
+        for f in files: assert [x.shape for x, in dls.test_dl([f])] == [(1, 3, 64, 64)]
+    pipes = {id(s): s for s in [dls.valid._source] + [s for _,s in dls._fed_pipelines]}
+    assert len(pipes) == 2 and all(s.builds == 1 for s in pipes.values()), [s.builds for s in pipes.values()]
