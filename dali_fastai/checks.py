@@ -61,7 +61,7 @@ SETTING_CHECKS = {  # a loader setting: (types, what it must be, a further test)
     'num_threads': ((int, None), 'an int of at least 1, or None', lambda v: v >= 1),
     'num_workers': ((int, None), 'an int or None', None),
     'prefetch': (int, 'an int of at least 1', lambda v: v >= 1),
-    'drain_limit': ((int, None), 'an int of at least 0, or None (drain while that is quicker than a build)', lambda v: v >= 0),
+    'drain_limit': ((int, None), 'an int of at least 0, or None (default_drain_limit: by device)', lambda v: v >= 0),
     'mean': ((tuple, list, np.ndarray, torch.Tensor, None), 'a tuple of numbers (one a channel, 0..1 scale) or None', _numbers()),
     'std': ((tuple, list, np.ndarray, torch.Tensor, None), 'a tuple of numbers above 0 (one a channel, 0..1 scale) or None',
             _numbers(positive=True)),

@@ -9,7 +9,7 @@ __all__ = ['n_batches', 'shard_sizes', 'batches_per_rank', 'interleaved_order', 
            'DaliEpoch', 'derived_seed', 'PipelineSource', 'FileFeed', 'FedSource', 'to_device_async']
 
 # %% ../nbs/04_epoch.ipynb #42a6f309
-import base64, functools, os, time
+import base64, functools, os
 from collections import deque
 from contextlib import contextmanager
 import numpy as np
@@ -122,13 +122,9 @@ class DaliEpoch:
 
     @property
     def left(self)->int: return self.n - self.taken
-    def drain(self, seconds:float|None=None, # give up after this long; None: read to the end
-             )->bool: # whether the epoch was read to its end
+    def drain(self):
         "Read what is left of DALI's epoch, so the iterator is at the start of the next one"
-        end = None if seconds is None else time.perf_counter() + seconds
-        for _ in self:
-            if end is not None and time.perf_counter() > end: return False
-        return True
+        for _ in self: pass
 
 # %% ../nbs/04_epoch.ipynb #8f7b1784
 _RANK_STREAM = 1 << 20  # a rank's augmentation seed is derived from (seed, build, _RANK_STREAM, rank)
@@ -145,7 +141,7 @@ class PipelineSource:
                 ):
         self.names = names
         self.it,self.key,self.builds,self.order_seed,self.resume = None,None,0,None,None
-        self.epoch,self.build_s = None,0.  # the epoch being read from `it`; how long its build took
+        self.epoch = None  # the epoch being read from `it`
 
     def iterator(self, key, # what the pipeline is built for (e.g. recipe and shard): another key rebuilds it
                  make, # `make(seed, order_seed, checkpoint)` → a DALI `Pipeline` whose reader is named 'Reader' (not kept: no cycle)
@@ -165,10 +161,8 @@ class PipelineSource:
         checkpoint = None if resume is None else base64.b64decode(resume['dali'])
         policy = LastBatchPolicy.DROP if drop_last else LastBatchPolicy.PARTIAL
         # seeds of its own per build, so a rebuilt loader does not replay the first epoch (or the one `load` left)
-        start = time.perf_counter()
         # the old pipeline is freed only once the new one is built: a decoder alive meanwhile spares the JPEG decoder's start
         self.it,self.key,self.epoch = self._wrap(make(derived_seed(seed, build, *stream), order_seed, checkpoint), policy),key,None
-        self.build_s = time.perf_counter() - start
         return self.it
 
     def _wrap(self, pipe, policy)->DALIGenericIterator:

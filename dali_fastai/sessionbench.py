@@ -48,10 +48,10 @@ def _quiet(learn):
     warnings.simplefilter('ignore')
     return stack
 
-def _loaders(variant:str, db, src, bs:int, device, seed:int, workers:int|None, **kwargs):
-    "fastai's loaders (`dblock.dataloaders`, with its worker processes) or dali_fastai's (`DaliDataLoaders.from_dblock`, with `kwargs`)"
+def _loaders(variant:str, db, src, bs:int, device, seed:int, workers:int|None):
+    "fastai's loaders (`dblock.dataloaders`, with its worker processes) or dali_fastai's (`DaliDataLoaders.from_dblock`)"
     if variant == 'fastai': return db.dataloaders(src, bs=bs, device=device, num_workers=os.cpu_count() if workers is None else workers)
-    return DaliDataLoaders.from_dblock(db, src, bs=bs, device=device, seed=seed, **kwargs)
+    return DaliDataLoaders.from_dblock(db, src, bs=bs, device=device, seed=seed)
 
 def _callbacks(variant:str)->list:
     return {'dali_fastai + FastStep()': [FastStep()], 'dali_fastai + FastStep(graph=True)': [FastStep(graph=True)]}.get(variant, [])
@@ -65,7 +65,6 @@ def session_run(variant:str, # one of `VARIANTS`
                 lr_find_its:int=100, # `lr_find`'s batches (fastai's default: 100)
                 seed:int=0, device:str|None=None, # default: the GPU if visible
                 workers:int|None=None, # fastai's worker processes; default: one per core
-                loader_kwargs:dict|None=None, # more `DaliDataLoaders.from_dblock` settings (dali_fastai's variants)
                )->dict: # each phase's seconds, each fit's epochs, the validation accuracy and the pipelines built
     "One user's session in this process, each phase timed: loaders and learner, `lr_find`, `fine_tune`, `get_preds`, `predict`"
     if variant not in VARIANTS: raise ValueError(f"variant must be one of {VARIANTS}, got {variant!r}")
@@ -73,7 +72,7 @@ def session_run(variant:str, # one of `VARIANTS`
     device,clock,phases = as_device(device),time.perf_counter,{}
     start = clock()
     set_seed(seed, reproducible=False)
-    dls = _loaders(variant, db, src, bs, device, seed, workers, **(loader_kwargs or {}))
+    dls = _loaders(variant, db, src, bs, device, seed, workers)
     learn = t.learner(dls, _callbacks(variant), metric=True, size=size)
     phases['loaders + learner'] = clock() - start
     files = sorted(get_image_files(Path(src)/'valid'))[:n_predict]
