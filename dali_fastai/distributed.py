@@ -66,7 +66,8 @@ def sync_bn_note(model:torch.nn.Module, # the model being fit
     if world < 2 or local_world != world or not any(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules()): return None
     return (f"the model has SyncBatchNorm layers (fastai's distrib_ctx turns every BatchNorm into one by default, sync_bn=True): "
             f"every BatchNorm layer of every step then waits for the other {world - 1} GPU(s). Measured on 2 H200s (resnet50, 128 "
-            "images a GPU, 2026-11-23): the 2 GPUs trained at 0.79x the speed of 1. Use learn.distrib_ctx(sync_bn=False), each "
+            "images a GPU, 2026-11-24, tools/ddp_bench.py --compare 2): the 2 GPUs trained at 0.74x the speed of 1 (1.41x "
+            "with sync_bn=False). Use learn.distrib_ctx(sync_bn=False), each "
             "GPU's BatchNorm on its own batch, unless a GPU's batch is too small for its own statistics")
 
 def _in_ddp(learn)->bool:
