@@ -11,6 +11,7 @@ __all__ = ['DeviceSmoothLoss', 'DeviceAvgLoss', 'DeviceAvgMetric', 'DeviceAccumM
 # %% ../nbs/07e_faststep.ipynb #2375c90c
 import gc, sys, warnings
 from collections import Counter
+from contextlib import contextmanager
 from typing import Callable
 
 import torch
@@ -125,11 +126,22 @@ def host_losses(rec:Recorder):
     for i,v in zip(dev, torch.stack([rec.losses[i] for i in dev]).cpu().unbind()): rec.losses[i] = v
 
 # %% ../nbs/07e_faststep.ipynb #135250b6
+@contextmanager
+def _quiet_stream_mismatch():
+    "Without PyTorch's warning that a parameter's AccumulateGrad node was made on another stream: a capture runs on a stream of its own"
+    get,put = (getattr(torch._C, f'_{k}warn_on_accumulate_grad_stream_mismatch', None) for k in ('', 'set_'))
+    was = get() if get and put else None
+    if was: put(False)
+    try: yield
+    finally:
+        if was: put(True)
+
 class GraphCapture:
     "The model's training forward and backward replayed as CUDA graphs, one for each of a few shapes of its tensor inputs"
     max_graphs = 4 # shapes captured at most; batches of another shape run uncaptured
     def __init__(self, learn, warn:Callable):
         # under DDP the module inside is captured: DDP's hooks all-reduce the gradients its replayed backward hands to autograd
+        # (`DaliDistributed` made the parameters' AccumulateGrad nodes, which DDP keeps, on the step's stream: see 07a)
         self.learn,self.warn,self.graphs,self.failed,self.checked_ddp = learn,warn,{},None,False
         self.model = learn.model.module if isinstance(learn.model, DistributedDataParallel) else learn.model
         why = self._refusal()
@@ -173,8 +185,8 @@ class GraphCapture:
         saved = [(b, b.detach().clone()) for b in m.buffers()]
         self.remove()
         try:
-            with torch.autocast('cuda', dtype=torch.get_autocast_dtype('cuda'), enabled=torch.is_autocast_enabled('cuda'),
-                               cache_enabled=False):
+            with _quiet_stream_mismatch(), torch.autocast('cuda', dtype=torch.get_autocast_dtype('cuda'),
+                                                          enabled=torch.is_autocast_enabled('cuda'), cache_enabled=False):
                 torch.cuda.make_graphed_callables(m, xs, allow_unused_input=True)
             self.graphs[key] = vars(m)['forward']
         except Exception as e: self._fail(f"capturing the model failed ({type(e).__name__}: {e})")

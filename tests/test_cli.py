@@ -404,9 +404,6 @@ def test_gpus_without_accelerate_says_which_extra(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="dali-fastai train --gpus 2: needs 2 GPUs (the lead's GPU machine)")
-@pytest.mark.xfail(strict=True, reason="on 2 x H200 (2026-11-27) the capture under DDP is invalidated (cudaErrorStreamCaptureInvalidated): "
-                   "DDP keeps the parameters' AccumulateGrad nodes, made on the stream DDP was built on, and the capture's backward "
-                   "feeds them from its own stream; FastStep falls back with its message. Issue 40 stays open for it")
 def test_train_on_two_gpus_with_the_graph():
     "`dali-fastai train --gpus 2 --graph`: NCCL, one GPU a process, the model captured (no fallback message), one last line"
     r = _command('train', '--gpus', '2', '--graph', '--epochs', '3', '--size', '28')

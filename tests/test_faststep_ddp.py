@@ -59,9 +59,6 @@ def test_graph_on_the_cpu_says_why_once_and_trains(tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="FastStep(graph=True) under DDP: needs 2 GPUs (the lead's GPU machine)")
-@pytest.mark.xfail(strict=True, reason="on 2 x H200 (2026-11-27) the capture under DDP is invalidated (cudaErrorStreamCaptureInvalidated): "
-                   "DDP keeps the parameters' AccumulateGrad nodes, made on the stream DDP was built on, and the capture's backward "
-                   "feeds them from its own stream; FastStep falls back with its message. Issue 40 stays open for it")
 def test_graph_under_ddp_on_two_gpus(tmp_path):
     "On 2 GPUs (NCCL): captured on every rank, no fallback message; every item once an epoch, whole-set metrics, the same weights on both ranks"
     r = _torchrun(tmp_path, '--graph', device='gpu')
@@ -74,12 +71,31 @@ def test_graph_under_ddp_on_two_gpus(tmp_path):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="FastStep(graph=True) under DDP: needs 2 GPUs (the lead's GPU machine)")
 def test_graph_and_eager_train_alike_under_ddp(tmp_path):
     "The captured and the uncaptured fast step, same seeds (model and loader), 2 GPUs: the same validation loss and accuracy after 2 epochs, float rounding apart"
-    _torchrun(tmp_path/'eager', '--fast-step', '--seed', '3', device='gpu')
-    _torchrun(tmp_path/'graph', '--graph', '--seed', '3', device='gpu')
+    runs = [_torchrun(tmp_path/'eager', '--fast-step', '--seed', '3', device='gpu'),
+            _torchrun(tmp_path/'graph', '--graph', '--seed', '3', device='gpu')]
+    # DaliDistributed made the AccumulateGrad nodes DDP keeps on the step's stream: no backward waits across streams
+    assert not any("AccumulateGrad node's stream" in r.stderr for r in runs), runs[0].stderr[-3000:]
     eager,graph = _ranks(tmp_path/'eager', 'ddp_valid')[0],_ranks(tmp_path/'graph', 'ddp_valid')[0]
     assert all(abs(a - b) <= 1e-3*max(1, abs(a)) for a,b in zip(eager, graph)), (eager, graph)
     weights = [_ranks(tmp_path/k, 'weights')[0] for k in ('eager', 'graph')]
     assert abs(weights[0] - weights[1]) <= 1e-4*max(1, abs(weights[0])), f"the same weights after the fit: {weights}"
+
+
+# ---------------------------------------------------------------- the gradient nodes DDP keeps
+
+def test_ddp_keeps_the_gradient_nodes_made_before_it(group):
+    "DDP adopts the AccumulateGrad nodes alive when it is built (those `DaliDistributed` makes on the step's stream), and keeps them"
+    m = nn.Linear(4, 2)
+    made = distributed.grad_nodes(m)  # held until DDP is built, as `DaliDistributed` holds them
+    for node in made: node.metadata['made'] = 'before DDP'
+    ddp = DistributedDataParallel(m)  # noqa: F841 (kept alive: it keeps the nodes)
+    del made, node
+    assert [n.metadata.get('made') for n in distributed.grad_nodes(m)] == ['before DDP']*2
+    alone = nn.Linear(4, 2)
+    made = distributed.grad_nodes(alone)
+    for node in made: node.metadata['made'] = 'before'
+    del made, node
+    assert [n.metadata.get('made') for n in distributed.grad_nodes(alone)] == [None]*2, "without DDP nothing keeps them"
 
 
 # ---------------------------------------------------------------- one process: why a DDP model is not captured

@@ -40,6 +40,7 @@ from dali_fastai.measure import BENCH_PHOTOS, bench_images
 from dali_fastai.distributed import DaliDistributed
 from dali_fastai.faststep import FastStep
 from dali_fastai.data import DaliDataLoaders
+from dali_fastai.epoch import priority_stream
 
 
 class EpochTimer(Callback):
@@ -82,13 +83,17 @@ def plain_model(fastai_model:bool, c:int=10):
 
 
 def plain_epochs(epochs:int, batches, # `batches()`: one epoch's (x, y) batches, on this rank's GPU
-                 world:int, fastai_model:bool)->list:
+                 world:int, fastai_model:bool,
+                 loader_stream:bool=False, # the batches come from a DALI loader, which runs the step on `priority_stream`
+                )->list:
     "Wall time of `epochs` epochs of resnet50 steps (bf16 autocast, channels_last, Adam) in a plain PyTorch (DDP) loop"
     dev = torch.device('cuda', torch.cuda.current_device())
     model = plain_model(fastai_model).to(dev, memory_format=torch.channels_last)
     if world > 1:
         torch.distributed.init_process_group('nccl', device_id=dev)
-        model = DistributedDataParallel(model, device_ids=[dev.index])
+        # DDP built on the stream the loop's steps run on: it keeps the parameters' AccumulateGrad nodes, made on the stream
+        # it is built on, and a backward on another stream waits across streams for each (the distributed notebook says more)
+        with priority_stream(dev, on=loader_stream): model = DistributedDataParallel(model, device_ids=[dev.index])
     opt = torch.optim.Adam(model.parameters(), 1e-3)
     times = []
     for _ in range(epochs):
@@ -205,7 +210,7 @@ def main():
         what = f'{model} bf16, synthetic data, plain DDP'
     elif a.plain_dali:
         dl = dls.train.shard(rank, world, seed=0).to(torch.device('cuda', torch.cuda.current_device()))
-        times,what = plain_epochs(a.epochs, lambda: dl, world, a.fastai_model),f'{model} bf16, dali_fastai shard, plain DDP'
+        times,what = plain_epochs(a.epochs, lambda: dl, world, a.fastai_model, loader_stream=True),f'{model} bf16, dali_fastai shard, plain DDP'
     elif a.loader_only: times,what = loader_epochs(dls.train, a.epochs),'loader only'
     else: times,what = (fit_epochs(dls, a.epochs, world, a.sync_bn, bar=not a.no_bar, fused=a.fused_adamw, fast_step=a.fast_step,
                                    graph=a.graph),
