@@ -12,13 +12,10 @@ import inspect
 from functools import partial
 import numpy as np
 import torch
-from fastcore.basics import first, detuplify, store_attr
+from fastcore.basics import first, store_attr
 from fastcore.foundation import L
-from fastcore.xtras import is_listy
-from fastai.data.core import show_batch as show_batch_grid, show_results as show_results_grid
 from fastai.data.transforms import Normalize
-from fastai.torch_core import TensorImage, batch_to_samples
-import fastai.vision.data, fastai.vision.learner  # register `show_batch`/`show_results` for images
+from fastai.torch_core import TensorImage
 from nvidia.dali import fn, types
 from nvidia.dali.plugin.pytorch import DALIGenericIterator
 from .checks import check_arg, check_settings
@@ -33,6 +30,7 @@ from .recipe import ImageRecipe, geometry_outputs
 # `DaliNormalize` lived here: learners exported before it moved to `translate` name `dali_fastai.loader.DaliNormalize`
 from .translate import _recipes, DaliNormalize, _after_batch, _work_after
 from .nodes import _op_names
+from .display import BatchDisplay
 
 # %% ../nbs/05_loader.ipynb #47f2ff48
 _NOT_SETTINGS = {'self', 'aug'}
@@ -44,7 +42,7 @@ def _loader_settings(cls)->list:
 # %% ../nbs/05_loader.ipynb #8d43dbd3
 AUG_OPTIONS = {'area', 'ratio', 'n_warps'} | set(inspect.signature(augment).parameters) - {'images', 'size'}
 
-class DaliDataLoader:
+class DaliDataLoader(BatchDisplay):
     "A fastai-style loader over one DALI pipeline; every `iter()` is a whole, fresh epoch"
     def __init__(self,
                  items:ImageItems, # the files and their targets
@@ -329,50 +327,6 @@ class DaliDataLoader:
         peek = self.new(seed=derived_seed(self.seed, 1 << 30, self._peeks), prefetch=1) # one batch: nothing prepared ahead to wait for at close
         try: return first(peek)
         finally: peek.close()
-
-    def decode(self, b):
-        "Undo `after_batch` (denormalize), first restoring the batch types a `Learner`'s `CastToTensor` strips"
-        b = (TensorImage(b[0]), *[t.retain(y) for t,y in zip(self.items.targets, b[1:])], *b[1+len(self.items.targets):])
-        return self.after_batch.decode(b)
-
-    def decode_batch(self, b, max_n:int=9, full:bool=True):
-        "Decode `b` to a list of samples: denormalized images and decoded targets (class names, tags, values)"
-        return self._decode_batch(self.decode(b), max_n, full)
-
-    def _decode_batch(self, b, max_n=9, full=True):
-        return L(batch_to_samples(b, max_n=max_n)).map(self.items.decode, full=full)
-
-    def _pre_show_batch(self, b, max_n=9):
-        b = self.decode(b)
-        return detuplify(b[:self.n_inp]),detuplify(b[self.n_inp:]),self._decode_batch(b, max_n, full=False)
-
-    def show_batch(self, b=None, # a batch; default: `one_batch()`
-                   max_n:int=9, # how many samples to show
-                   ctxs=None, # matplotlib axes to draw on
-                   show:bool=True, # False: return what would be shown
-                   unique:bool=False, # show one image, augmented `max_n` times
-                   **kwargs):
-        "Show a batch of denormalized images with their targets"
-        if b is None: b = (self.new(items=self._one_item_repeated(max_n), bs=max_n, shuffle=False) if unique else self).one_batch()
-        if not show: return self._pre_show_batch(b, max_n=max_n)
-        show_batch_grid(*self._pre_show_batch(b, max_n=max_n), ctxs=ctxs, max_n=max_n, **kwargs)
-
-    def _one_item_repeated(self, n):
-        i = int(np.random.default_rng(self.seed).integers(len(self.items)))
-        return self.items.subset([i]*n)
-
-    def show_results(self, b, # a batch
-                     out, # the model's decoded predictions for `b`
-                     max_n:int=9, ctxs=None, show:bool=True, **kwargs):
-        "Show images with their targets and predictions (what `Learner.show_results` calls)"
-        x,y,its = self.show_batch(b, max_n=max_n, show=False)
-        b_out = type(b)(b[:self.n_inp] + (tuple(out) if is_listy(out) else (out,)))
-        x1,y1,outs = self.show_batch(b_out, max_n=max_n, show=False)
-        res = (x, y, its, outs.itemgot(slice(self.n_inp, None)))
-        if not show: return res
-        # several targets (boxes and their labels): dispatch on the first, whose fastai version draws targets beside
-        # predictions; fastai 2.8's version for a tuple of targets fails (`show_results[object]` is not subscriptable)
-        show_results_grid(x, y[0] if isinstance(y, tuple) else y, *res[2:], ctxs=ctxs, max_n=max_n, **kwargs)
 
     def new(self, **kwargs):
         "A loader like this one, with `kwargs` changed (fastai's `DataLoader.new`)"
