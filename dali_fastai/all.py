@@ -23,12 +23,13 @@ with warnings.catch_warnings():
     from dali_fastai.files import check_image, check_images
     from dali_fastai.steps import RandomBoxCrop, ItemStep, GeometryStep, ItemFlip
     from dali_fastai.recipe import ImageRecipe, keyword_recipe, geometry_outputs
-    from dali_fastai.translate import fastai_recipe
+    from dali_fastai.translate import fastai_recipe, DaliNormalize
     from dali_fastai.annotations import ImageBoxes, read_coco, read_voc, to_fastai, from_fastai
     from dali_fastai.checks import check_arg, check_settings
     from dali_fastai.items import Target, ImageItems, usable_items
-    from dali_fastai.epoch import n_batches, batches_per_rank, priority_stream, DaliEpoch, PipelineSource, FileFeed, FedSource, to_device_async
-    from dali_fastai.loader import FULL_CHECK_LIMIT, DaliNormalize, default_drain_limit, DaliDataLoader
+    from dali_fastai.epoch import n_batches, batches_per_rank, priority_stream, DaliEpoch, PipelineSource, FileFeed, FedSource, to_device_async, default_drain_limit
+    from dali_fastai.display import BatchDisplay
+    from dali_fastai.loader import FULL_CHECK_LIMIT, DaliDataLoader
     from dali_fastai.targets import BoxTarget, BoxLabelTarget, PointTarget
     from dali_fastai.masks import prepare_masks, mask_values, check_mask_values, MaskTarget
     from dali_fastai.shards import (shard_index, write_shards, folder_shards, check_shards, parse_label, ShardItems,
@@ -61,7 +62,7 @@ __all__ = ['warp_matrix', 'synthetic_warps', 'rotation_matrix', 'compose_matrice
            'RandomBoxCrop', 'ItemStep', 'GeometryStep', 'ItemFlip', 'ImageRecipe', 'fastai_recipe', 'keyword_recipe', 'geometry_outputs',
            'ImageBoxes', 'read_coco', 'read_voc', 'to_fastai', 'from_fastai', 'check_arg', 'check_settings',
            'FULL_CHECK_LIMIT', 'n_batches', 'batches_per_rank', 'priority_stream', 'DaliNormalize', 'default_drain_limit', 'Target',
-           'ImageItems', 'usable_items', 'DaliEpoch', 'PipelineSource', 'FileFeed', 'FedSource', 'to_device_async', 'DaliDataLoader', 'BoxTarget', 'BoxLabelTarget',
+           'ImageItems', 'usable_items', 'DaliEpoch', 'PipelineSource', 'FileFeed', 'FedSource', 'to_device_async', 'BatchDisplay', 'DaliDataLoader', 'BoxTarget', 'BoxLabelTarget',
            'PointTarget', 'prepare_masks', 'mask_values', 'check_mask_values', 'MaskTarget', 'shard_index',
            'write_shards', 'folder_shards', 'check_shards', 'parse_label', 'ShardItems', 'tfrecord_index',
            'dblock_shards', 'label_targets', 'dblock_items', 'DaliDataLoaders', 'dataloaders_for', 'detection_dataloaders',

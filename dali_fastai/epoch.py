@@ -6,7 +6,8 @@ Docs: https://dali-fastai.github.io/dali_fastai/epoch.html.md"""
 
 # %% auto #0
 __all__ = ['n_batches', 'shard_sizes', 'batches_per_rank', 'interleaved_order', 'as_device', 'dali_device_id', 'priority_stream',
-           'DaliEpoch', 'derived_seed', 'PipelineSource', 'FileFeed', 'FedSource', 'to_device_async']
+           'DaliEpoch', 'default_drain_limit', 'derived_seed', 'PipelineSource', 'FileFeed', 'FedSource',
+           'to_device_async']
 
 # %% ../nbs/04_epoch.ipynb #42a6f309
 import base64, functools, os
@@ -14,6 +15,7 @@ from collections import deque
 from contextlib import contextmanager
 import numpy as np
 import torch
+from fastcore.imports import equals
 from fastai.torch_core import num_distrib
 from nvidia.dali import fn, types
 from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
@@ -126,6 +128,14 @@ class DaliEpoch:
         "Read what is left of DALI's epoch, so the iterator is at the start of the next one"
         for _ in self: pass
 
+# %% ../nbs/04_epoch.ipynb #df1609aa
+def default_drain_limit(device:torch.device)->int:
+    "Batches left in an abandoned epoch that are read rather than the pipeline built anew: as many as take about one build's time"
+    # on a GPU a batch takes a few ms (the loaders read 12,000-22,000 img/s: the step and DDP benches) and a build 0.5-2.2 s
+    # (tools/session_starts.py); on DALI's CPU backend a batch takes about 0.1 s and a build a few tenths. A count, not a
+    # clock: the choice must not hang on the machine's load, since a build draws new seeds (and every DDP rank must choose alike)
+    return 100 if device.type == 'cuda' else 4
+
 # %% ../nbs/04_epoch.ipynb #8f7b1784
 _RANK_STREAM = 1 << 20  # a rank's augmentation seed is derived from (seed, build, _RANK_STREAM, rank)
 
@@ -171,6 +181,15 @@ class PipelineSource:
                                    prepare_first_batch=False)
 
     def close(self): self.it,self.key,self.epoch = None,None,None
+    def abandon(self, limit:int, # at most this many batches left are read (`default_drain_limit`)
+               ):
+        "Let go of the epoch being read: drained to its end when at most `limit` batches are left, else the iterator is freed"
+        e,self.epoch = self.epoch,None
+        if e is None or e.done: return
+        if e.left > limit: return self.close()
+        try: e.drain()
+        except BaseException:  # e.g. Ctrl-C while draining: the iterator's state is unknown, so it is never reused
+            self.close(); raise
     def __getstate__(self): return {**self.__dict__, 'it': None, 'key': None, 'resume': None, 'epoch': None}  # DALI's cannot be pickled
     def state(self)->dict:
         "Build number, order seed and DALI's checkpoint (reader positions, random generators), JSON-ready"
@@ -263,6 +282,25 @@ class FedSource(PipelineSource):
     def state(self)->dict:
         "As `PipelineSource.state`, without DALI's checkpoint: a fed pipeline reads its items in order from the first each epoch"
         return {'build': self.builds - 1, 'order_seed': self.order_seed, 'dali': None}
+
+# %% ../nbs/04_epoch.ipynb #2daf09ee
+def _same(a:dict, b:dict)->bool:
+    "Whether two loaders' settings are the same, one by one with fastcore's `equals` (arrays by value, transforms by identity)"
+    return a.keys() == b.keys() and all(equals(a[k], b[k]) for k in a)
+
+def _fed_source(pool:list, # `(settings, FedSource)` pairs kept by the owner of the loaders (`DaliDataLoaders.test_dl`)
+                settings:dict, # what the pipeline is made from: a loader's settings and outputs
+                names:list, # the pipeline's outputs' names
+                bs:int, # the batch size
+                keep:int=4, # at most this many pipelines in `pool`; the oldest goes first
+               )->FedSource:
+    "The `FedSource` in `pool` for `settings`, made and added to it if there is none: one build for every item set"
+    src = next((s for k,s in pool if _same(k, settings)), None)
+    if src is None:
+        src = FedSource(names, bs)
+        pool.append((settings, src))
+        del pool[:-keep]
+    return src
 
 # %% ../nbs/04_epoch.ipynb #70bd57e4
 def to_device_async(t:torch.Tensor, # a small tensor DALI made on the host (a crop window, a matrix)
