@@ -308,7 +308,7 @@ def capture_rows(dls, # DataLoaders to train from
                  make_learner:Callable, # (dls, cbs) -> a fresh `Learner`
                  n_batches:int=30, warmup:int=5, passes:int=3, # as in `step_rows`; a fit's first `warmup` batches are its start
                  clock:Callable=time.perf_counter,
-                )->dict: # 'eager', 'graph': img/s; 'graph/eager'; 'start s', 'host ms per step': of each; 'capture s', 'break-even', 'fell back', 'fits'
+                )->dict: # 'eager', 'graph': img/s; 'graph/eager'; 'start s', 'first start s', 'host ms per step': of each; 'capture s', 'break-even', 'fell back', 'fits'
     "`FastStep()` and `FastStep(graph=True)` on one learner's model, their fits taken in turn: the steady rates, their ratio, what a fit's start and its capture cost, and why the capture fell back"
     learners = {k: make_learner(dls, cbs()) for k,cbs in CAPTURE_ROWS.items()}
     fits,said = {k: [] for k in learners},[]
@@ -318,6 +318,7 @@ def capture_rows(dls, # DataLoaders to train from
     res = med('rate')
     res['graph/eager'] = res['graph'] / res['eager']
     res['start s'],res['host ms per step'] = med('start'),med('host_ms')
+    res['first start s'] = {k: v[0]['start'] for k,v in fits.items()} # the first fit's: the optimizer made, cuDNN's choices (eager's, the first to train), the first capture
     res['capture s'] = res['start s']['graph'] - res['start s']['eager']
     saved = dls.train.bs * (1/res['eager'] - 1/res['graph']) # seconds a batch saves, captured
     res['break-even'] = max(0., res['capture s']) / saved if saved > 0 else None # batches; None: never
@@ -333,16 +334,16 @@ def _capture_line(name:str, r:dict)->str:
     if 'error' in r: return f"{model:<15}{bs:>5}  failed: {r['error']}"
     s = r['start s']
     even = 'never' if r['break-even'] is None else f"{r['break-even']:.0f}"
-    return (f"{model:<15}{bs:>5}{r['eager']:>9.0f}{r['graph']:>9.0f}{r['graph/eager']:>8.2f}{s['eager']:>9.2f}{s['graph']:>9.2f}"
+    return (f"{model:<15}{bs:>5}{r['eager']:>9.0f}{r['graph']:>9.0f}{r['graph/eager']:>8.2f}{s['eager']:>9.2f}{s['graph']:>9.2f}{r['first start s']['graph']:>9.2f}"
             f"{r['capture s']:>9.2f}{even:>8}  {_reason(r['fell back']) if r['fell back'] else 'no'}")
 
 def format_captures(res:dict)->str:
     "The capture table: per model and batch size, each step's img/s, graph/eager, each fit's start and the capture's cost, break-even, the fallback; the loaders alone; then the rows where the graph was slower"
     m,s = res['machine'],res['settings']
     lines = [f"FastStep() (eager) and FastStep(graph=True) (graph), {m['gpu'] or 'CPU'}, {m['date']}: img/s, medians of "
-             f"{s['passes']} fits each; start: seconds of a fit's first {s['warmup']} batches beyond its steady pace; capture: "
+             f"{s['passes']} fits each; start: seconds of a fit's first {s['warmup']} batches beyond its steady pace (1st: the graph's first fit); capture: "
              "the graph's start less eager's, paid each fit; break-even: batches a fit needs to win it back",
-             f"{'model':<15}{'bs':>5}{'eager':>9}{'graph':>9}{'g/e':>8}{'start e':>9}{'start g':>9}{'capture':>9}{'b-even':>8}  fell back?"]
+             f"{'model':<15}{'bs':>5}{'eager':>9}{'graph':>9}{'g/e':>8}{'start e':>9}{'start g':>9}{'1st g':>9}{'capture':>9}{'b-even':>8}  fell back?"]
     lines += [_capture_line(k, r) for k,r in res['rows'].items()]
     lines += [f"{k}: skipped, {why}" for k,why in res.get('skipped', {}).items()]
     if res.get('loader'): lines.append(f"the loader alone, img/s: {', '.join(f'{k} {v:.0f}' for k,v in res['loader'].items())}")
