@@ -377,7 +377,7 @@ def capture_bench(models:tuple=tuple(CAPTURE_MODELS), # names of `CAPTURE_MODELS
     "`capture_rows` for each model at each batch size, one loader for each task and batch size; each row printed as it ends, then the table"
     if bad := [m for m in models if m not in CAPTURE_MODELS]:
         raise ValueError(f"models {', '.join(bad)}: not in CAPTURE_MODELS; pick among {', '.join(CAPTURE_MODELS)}")
-    device,roots = as_device(device),roots or {}
+    device,roots,began = as_device(device),roots or {},time.perf_counter()
     res = dict(machine=machine_info(device), settings=dict(models=list(models), bss=bss, size=size, device=str(device),
                n_batches=n_batches, warmup=warmup, passes=passes), rows={}, skipped={m: why for m in models if (why := _missing(m))}, loader={})
     tasks = {}
@@ -395,5 +395,6 @@ def capture_bench(models:tuple=tuple(CAPTURE_MODELS), # names of `CAPTURE_MODELS
             dls.close()
     order = lambda k: (models.index(k.rsplit(' bs ', 1)[0]), int(k.rsplit(' bs ', 1)[1]))
     res['rows'] = {k: res['rows'][k] for k in sorted(res['rows'], key=order)}
-    print(format_captures(res))
+    res['seconds'] = time.perf_counter() - began
+    print(f"{format_captures(res)}\n({len(res['rows'])} rows in {res['seconds']:.0f} s)")
     return res

@@ -298,7 +298,8 @@ def test_bench_capture_on_the_cpu(tmp_path, capsys, monkeypatch):
     assert table[1].split()[:6] == ['model', 'bs', 'eager', 'graph', 'g/e', 'start']
     assert table[2].split()[:5] == ['tiny', '4', f"{r['eager']:.0f}", f"{r['graph']:.0f}", f"{r['graph/eager']:.2f}"]
     assert table[2].endswith('  the model is not on a CUDA device') and table[3].startswith('absent: skipped, no_such_module_h39')
-    assert table[-1].startswith('graph slower than eager: ') and len(table) == 2 + 1 + 1 + 1 + 1  # header, row, skipped, loader, verdict
+    assert table[-2].startswith('graph slower than eager: ') and table[-1] == f"(1 rows in {res['seconds']:.0f} s)"
+    assert len(table) == 2 + 1 + 1 + 1 + 1 + 1  # header, row, skipped, loader, verdict, time
 
 
 def test_train_flags_state_each_tasks_defaults():
