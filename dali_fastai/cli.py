@@ -277,7 +277,8 @@ def parser()->argparse.ArgumentParser:
                        "batches; print a table")
     b.add_argument('path', nargs='?', default=None, help="ImageNet-style folder; default: a set made from scikit-image's "
                    "sample photos (see --n-per-class); detection: a COCO folder, default the embedded scenes")
-    b.add_argument('--task', choices=['classification', 'detection', 'segmentation', 'shards', 'accuracy', 'step', 'session'],
+    b.add_argument('--task', choices=['classification', 'detection', 'segmentation', 'shards', 'accuracy', 'step', 'session',
+                                      'capture'],
                    default='classification',
                    help="classification, or detection or segmentation: DALI's loader beside fastai's on one DataBlock; shards: "
                    "the folder's loader beside loaders over its WebDataset and TFRecord shards; accuracy: time to accuracy, "
@@ -286,7 +287,10 @@ def parser()->argparse.ArgumentParser:
                    "plain PyTorch loop, fastai, fastai + FastStep, + FastStep(graph=True)) for --archs at bs 64 and 256 "
                    "(--bs: one of them), then a U-Net and FCOS on the embedded scenes (GPU); session: a fastai user's session "
                    "(loaders, lr_find, fine_tune(--epochs, default 3), get_preds, 5 predicts) on fastai's loaders, dali_fastai's, "
-                   "+ FastStep and + FastStep(graph=True), each in a fresh process, phase by phase")
+                   "+ FastStep and + FastStep(graph=True), each in a fresh process, phase by phase; capture: FastStep() beside "
+                   "FastStep(graph=True) for --models (default: ResNet-18/34/50, xresnet50, timm's convnext_tiny where timm "
+                   "imports, a U-Net and FCOS) at bs 64 and 256 (U-Net, FCOS: 16 and 64; --bs: one for all), with what the "
+                   "capture costs each fit's start and why it fell back")
     b.add_argument('--peers', action='store_true', help="also time the loaders users would pick instead: GPU decoding with "
                    "fastai's, Kornia's or torchvision's augmentations (with --task detection or segmentation, those that "
                    "take boxes or masks); needs pip install 'dali-fastai[bench]'")
@@ -298,8 +302,9 @@ def parser()->argparse.ArgumentParser:
     b.add_argument('--batches', type=int, default=30, dest='n_batches', help="batches timed a pass (default: 30)")
     b.add_argument('--warmup', type=int, default=5, help="warm-up batches before each pass (default: 5)")
     b.add_argument('--passes', type=int, default=3, help="passes; the median is kept (default: 3)")
-    b.add_argument('--archs', default=None, help="models for the training benchmark, comma-separated, '' to skip (GPU "
-                   "only; default: resnet18,resnet50; detection: fcos; segmentation: resnet34, unet_learner's encoder)")
+    b.add_argument('--archs', '--models', default=None, help="models for the training benchmark, comma-separated, '' to skip "
+                   "(GPU only; default: resnet18,resnet50; detection: fcos; segmentation: resnet34, unet_learner's encoder; "
+                   "capture: names of stepbench.CAPTURE_MODELS)")
     b.add_argument('--no-fastai', dest='fastai_loader', action='store_false', help="skip fastai's default loader")
     b.add_argument('--workers', type=int, default=None, help="worker processes of fastai's loader (default: one per core)")
     b.add_argument('--n-per-class', type=int, default=500, help="images a class in the generated set (default: 500)")
@@ -346,9 +351,13 @@ def _saved(res, out, name:str):
     Path(out).mkdir(parents=True, exist_ok=True); (Path(out)/name).write_text(json.dumps(res, indent=1))
     return res
 
+def _names(archs:str|None, default:str)->tuple:
+    "The models named by --archs, comma-separated ('' for none), or by `default`"
+    return tuple(a for a in (archs if archs is not None else default).split(',') if a)
+
 def _bench(task:str, path, n_per_class:int, size:int|None, bs:int|None, archs:str|None, fastai_loader:bool, out:str,
            scale:bool=False, sizes:str='', epochs:int|None=None, peers:bool=False, **kwargs):
-    "`bench`, `detection_bench`, `segmentation_bench`, `shards_bench`, `time_to_accuracy`, `step_bench` or `scale_bench`, each with its own defaults for what the command line leaves unset"
+    "`bench`, `detection_bench`, `segmentation_bench`, `shards_bench`, `time_to_accuracy`, `step_bench`, `capture_bench` or `scale_bench`, each with its own defaults for what the command line leaves unset"
     from dali_fastai.measure import bench_images
     from dali_fastai.bench import bench
     from dali_fastai.taskbench import detection_bench, segmentation_bench, scale_bench, shards_bench, time_to_accuracy
@@ -366,10 +375,15 @@ def _bench(task:str, path, n_per_class:int, size:int|None, bs:int|None, archs:st
     if task == 'step':
         from dali_fastai.stepbench import step_bench, task_step_bench
         kwargs.pop('workers', None)
-        names = tuple(a for a in (archs if archs is not None else 'resnet18,resnet50').split(',') if a)
-        res = step_bench(path, names, (bs,) if bs else (64, 256), size or 224, **kwargs)
+        res = step_bench(path, _names(archs, 'resnet18,resnet50'), (bs,) if bs else (64, 256), size or 224, **kwargs)
         res['tasks'] = {t: task_step_bench(t, **kwargs) for t in ('segmentation', 'detection', 'retinanet')}
         return _saved(res, out, 'step.json')
+    if task == 'capture':
+        from dali_fastai.stepbench import capture_bench, CAPTURE_MODELS
+        kwargs.pop('workers', None)
+        res = capture_bench(_names(archs, ','.join(CAPTURE_MODELS)), (bs,) if bs else None,
+                            None if path is None else {'classification': path}, size, **kwargs)
+        return _saved(res, out, 'capture.json')
     if task == 'shards':
         kwargs.pop('workers', None)
         return _saved(shards_bench(path if path is not None else bench_images(n_per_class=n_per_class), size or 224, bs or 256,
@@ -377,7 +391,7 @@ def _bench(task:str, path, n_per_class:int, size:int|None, bs:int|None, archs:st
     other = task != 'classification'
     size,bs = size or (128 if other else 224),bs or (64 if other else 256)
     default = {'detection': 'fcos', 'segmentation': 'resnet34'}.get(task, 'resnet18,resnet50')
-    archs = tuple(a for a in (archs if archs is not None else default).split(',') if a)
+    archs = _names(archs, default)
     if other:
         res = (detection_bench if task == 'detection' else segmentation_bench)(path, size, bs, archs=archs, **kwargs)
         if peers:

@@ -273,6 +273,35 @@ def test_bench_step_and_peers_reach_their_functions(tmp_path, monkeypatch):
     assert calls[-1] == ('seg peers', (None,), {'size': 128, 'bs': 64, 'device': 'cpu'})
 
 
+def _tiny_classifier(dls, cbs, metric, size):
+    "A `CAPTURE_MODELS` learner small enough for the CPU: one convolution, then the classes"
+    from fastai.learner import Learner
+    from fastai.losses import CrossEntropyLossFlat
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(4, dls.c))
+    return Learner(dls, model, loss_func=CrossEntropyLossFlat(), cbs=cbs)
+
+
+def test_bench_capture_on_the_cpu(tmp_path, capsys, monkeypatch):
+    "`bench --task capture` end to end on the CPU: a row a model and batch size, eager beside graph, whose capture the CPU refuses (the row says why), the ratio of the rates in the JSON and the table; a model whose module does not import is skipped, named"
+    import dali_fastai.stepbench as sb
+    monkeypatch.setattr(sb, 'CAPTURE_MODELS', {**sb.CAPTURE_MODELS, 'tiny': ('classification', _tiny_classifier, None),
+                                                'absent': ('classification', _tiny_classifier, 'no_such_module_h39')})
+    cli.main(['bench', str(image_folder(tmp_path/'data', n=8)), '--task', 'capture', '--models', 'tiny,absent', '--bs', '4',
+              '--size', '32', '--device', 'cpu', '--batches', '2', '--warmup', '1', '--passes', '2', '--out', str(tmp_path/'out')])
+    res = json.loads((tmp_path/'out'/'capture.json').read_text())
+    assert list(res['rows']) == ['tiny bs 4'] and 'pip install no_such_module_h39' in res['skipped']['absent']
+    r = res['rows']['tiny bs 4']
+    assert r['fell back'] == 'FastStep(graph=True): the model is not on a CUDA device; training goes on with the uncaptured fast step'
+    assert r['graph/eager'] == pytest.approx(r['graph'] / r['eager']) and [len(f) for f in r['fits'].values()] == [2, 2]
+    assert r['capture s'] == pytest.approx(r['start s']['graph'] - r['start s']['eager'])
+    table = capsys.readouterr().out.split('FastStep() (eager) and FastStep(graph=True) (graph), CPU')[1].splitlines()
+    assert table[1].split()[:6] == ['model', 'bs', 'eager', 'graph', 'g/e', 'start']
+    assert table[2].split()[:5] == ['tiny', '4', f"{r['eager']:.0f}", f"{r['graph']:.0f}", f"{r['graph/eager']:.2f}"]
+    assert table[2].endswith('  the model is not on a CUDA device') and table[3].startswith('absent: skipped, no_such_module_h39')
+    assert table[-2].startswith('graph slower than eager: ') and table[-1] == f"(1 rows in {res['seconds']:.0f} s)"
+    assert len(table) == 2 + 1 + 1 + 1 + 1 + 1  # header, row, skipped, loader, verdict, time
+
+
 def test_train_flags_state_each_tasks_defaults():
     "The command passes only the flags set, so the help's defaults must be those of `train`, `train_detection`, `train_segmentation`"
     helps = {a.dest: a.help for a in cli.parser()._subparsers._group_actions[0].choices['train']._actions}
