@@ -76,7 +76,7 @@ def fit_and_report(learn, # a fastai `Learner` ready to fit
     _quiet(learn, progress)
     if fast_step or graph:
         from dali_fastai.faststep import FastStep
-        learn.add_cb(FastStep(graph=graph))
+        learn.add_cb(FastStep(graph=True if graph else 'auto'))
     dls,world = learn.dls,max(1, num_distrib())
     say = print if rank_distrib() == 0 else lambda *args, **kwargs: None  # under DDP, the first process speaks for all
     n_train,n_valid = len(dls.train_ds),len(dls.valid_ds)

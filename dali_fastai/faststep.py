@@ -6,10 +6,10 @@ Docs: https://dali-fastai.github.io/dali_fastai/faststep.html.md"""
 
 # %% auto #0
 __all__ = ['DeviceSmoothLoss', 'DeviceAvgLoss', 'DeviceAvgMetric', 'DeviceAccumMetric', 'on_device', 'HostMirror',
-           'HostSmoothLoss', 'host_losses', 'GraphCapture', 'GCFreeze', 'FastStep', 'HostReads', 'OpCounts']
+           'HostSmoothLoss', 'host_losses', 'StepRace', 'GraphCapture', 'GCFreeze', 'FastStep', 'HostReads', 'OpCounts']
 
 # %% ../nbs/07e_faststep.ipynb #2375c90c
-import gc, sys, warnings
+import gc, sys, time, warnings
 from collections import Counter
 from contextlib import contextmanager
 from typing import Callable
@@ -125,6 +125,46 @@ def host_losses(rec:Recorder):
     if not dev: return
     for i,v in zip(dev, torch.stack([rec.losses[i] for i in dev]).cpu().unbind()): rec.losses[i] = v
 
+# %% ../nbs/07e_faststep.ipynb #0b96f5fa
+class StepRace:
+    "The uncaptured step against the captured one on a fit's own training batches: `n` of each after `warmup`, timed between GPU syncs"
+    def __init__(self, warmup:int=3, # batches left untimed first (the loader's start, cuDNN's choices)
+                 n:int=8, # batches timed each way
+                 clock:Callable=time.perf_counter, sync:Callable|None=None):
+        store_attr('warmup,n,clock'); self.sync = sync or torch.cuda.synchronize
+        self.stage,self.count,self.start,self.secs,self.winner = 'warmup',0,None,{},None
+
+    def _now(self)->float: self.sync(); return self.clock()
+    def wants_graph(self)->bool: return self.stage in ('capture', 'graph') or self.winner == 'graph'
+    def captured(self):
+        "This batch's forward captured the graph: the captured stretch starts at the next batch"
+        if self.stage == 'capture': self.stage,self.count,self.start = 'graph',0,None
+    def restart(self):
+        "Validation or a new epoch came in between: the stretch being timed starts again"
+        if self.stage in ('eager', 'graph'): self.count,self.start = 0,None
+
+    def before_batch(self):
+        "Count a training batch; at the end of a stretch, read the clock; after both, choose"
+        if self.stage == 'warmup':
+            self.count += 1
+            if self.count <= self.warmup: return
+            self.stage,self.start = 'eager',None
+        if self.stage not in ('eager', 'graph'): return
+        if self.start is None: self.start,self.count = self._now(),0; return
+        self.count += 1
+        if self.count < self.n: return
+        self.secs[self.stage] = self._now() - self.start
+        if self.stage == 'eager': self.stage = 'capture'
+        else: self.stage,self.winner = 'done',self._choose()
+
+    def _choose(self)->str:
+        secs = [self.secs['eager'], self.secs['graph']]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() == 'nccl':
+            t = torch.tensor(secs, device=torch.device('cuda', torch.cuda.current_device()))
+            dist.all_reduce(t, op=dist.ReduceOp.MAX) # the slowest rank's times: every rank chooses alike
+            secs = t.tolist()
+        return 'graph' if secs[1] < secs[0] else 'eager'
+
 # %% ../nbs/07e_faststep.ipynb #135250b6
 @contextmanager
 def _quiet_stream_mismatch():
@@ -139,13 +179,16 @@ def _quiet_stream_mismatch():
 class GraphCapture:
     "The model's training forward and backward replayed as CUDA graphs, one for each of a few shapes of its tensor inputs"
     max_graphs = 4 # shapes captured at most; batches of another shape run uncaptured
-    def __init__(self, learn, warn:Callable):
+    def __init__(self, learn, warn:Callable,
+                 race:StepRace|None=None, # `graph='auto'`: capture only if the race finds the captured step faster
+                ):
         # under DDP the module inside is captured: DDP's hooks all-reduce the gradients its replayed backward hands to autograd
         # (`DaliDistributed` made the parameters' AccumulateGrad nodes, which DDP keeps, on the step's stream: see 07a)
-        self.learn,self.warn,self.graphs,self.failed,self.checked_ddp = learn,warn,{},None,False
+        self.learn,self.warn,self.race,self.graphs,self.failed,self.checked_ddp = learn,warn,race,{},None,False
         self.model = learn.model.module if isinstance(learn.model, DistributedDataParallel) else learn.model
         why = self._refusal()
-        if why: self._fail(why)
+        # with `graph='auto'` a model on the CPU is simply not captured: nothing was asked
+        if why: self._fail(why, quiet=race is not None and why.startswith('the model is not on a CUDA device'))
 
     def _refusal(self)->str|None:
         m = self.model
@@ -167,14 +210,22 @@ class GraphCapture:
         backend = dist.get_backend(ddp.process_group)
         if backend != 'nccl': return f"DDP's process group runs on {backend}, and CUDA graphs train under DDP over NCCL only"
 
-    def _fail(self, why:str):
+    def _fail(self, why:str, quiet:bool=False):
         self.failed = why
         # said by the first process only: every rank fails for the same reason
-        if rank_distrib() == 0: self.warn(f"FastStep(graph=True): {why}; training goes on with the uncaptured fast step")
+        said = 'FastStep(graph=True)' if self.race is None else "FastStep (graph='auto')"
+        if rank_distrib() == 0 and not quiet: self.warn(f"{said}: {why}; training goes on with the uncaptured fast step")
+
+    def before_batch(self):
+        "`graph='auto'`: a training batch for the race; once the uncaptured step has won it, the graphs go"
+        if self.race is None or self.failed: return
+        self.race.before_batch()
+        if self.race.winner == 'eager' and self.graphs: self.release()
 
     def _eager(self, *args, **kwargs): return type(self.model).forward(self.model, *args, **kwargs)
     def install(self):
-        if not self.failed and 'forward' not in vars(self.model): self.model.forward = self.forward
+        if self.failed or (self.race and self.race.winner == 'eager'): return
+        if 'forward' not in vars(self.model): self.model.forward = self.forward
     def remove(self):
         if vars(self.model).get('forward') == self.forward: del self.model.forward
     def release(self): self.remove(); self.graphs = {}
@@ -203,11 +254,13 @@ class GraphCapture:
         if not self.checked_ddp and not self.failed:
             self.checked_ddp = True
             if why := self._ddp_refusal(): self._fail(why)
-        if self.failed: return self._eager(*args, **kwargs)
+        if self.failed or (self.race and not self.race.wants_graph()): return self._eager(*args, **kwargs)
         xs = tuple(a.as_subclass(torch.Tensor) for a in args)
         key = tuple((x.shape, x.dtype, x.device) for x in xs)
         if key not in self.graphs:
-            if len(self.graphs) < self.max_graphs: self._capture(xs, key)
+            if len(self.graphs) < self.max_graphs:
+                self._capture(xs, key)
+                if self.race: self.race.captured()
             else: self.warn(f"FastStep(graph=True): batches of more than {self.max_graphs} input shapes; those of other shapes train uncaptured")
         graphed = self.graphs.get(key)
         if self.failed or graphed is None: return self._eager(*args)
@@ -237,12 +290,15 @@ def _set(cb:Callback, **kwargs):
 class FastStep(Callback):
     "fastai's training step at the GPU's pace: PyTorch's fused optimizer, no host sync per batch, channels_last, CUDA graphs"
     order = MixedPrecision.order - 5 # before DDP wraps the model and before the Recorder names the metrics
-    def __init__(self, graph:bool=False,            # capture the model's forward and backward as a CUDA graph
+    def __init__(self, graph:bool|str='auto',       # capture the model's forward and backward as CUDA graphs: True, False, or 'auto' (when faster: `StepRace`)
                  channels_last:bool|None=None,      # None: on CUDA, for convolutional models not already channels_last
                  fused:bool=True,                   # replace fastai's optimizer with PyTorch's fused/foreach one where exact
                  device_metrics:bool=True,          # smooth the loss and accumulate metrics on the device
                  freeze_gc:bool=True,               # Python's collector passes over the fit's own objects only (`GCFreeze`)
                 ):
+        if graph not in (True, False, 'auto'):
+            raise ValueError(f"FastStep(graph={graph!r}): graph is True (always capture), False (never) or 'auto' (the default: "
+                             "capture when the captured step trains faster)")
         store_attr('graph,channels_last,fused,device_metrics,freeze_gc')
         self._warned,self.capture,self._saved = set(),None,None # `validate` and `get_preds` may come before any fit
 
@@ -289,7 +345,8 @@ class FastStep(Callback):
         self._memory_format()
         finding = any(isinstance(cb, LRFinder) for cb in self.learn.cbs)  # lr_find reads the loss every batch anyway
         if self.device_metrics and not finding and hasattr(self.learn, 'recorder'): self._device_metrics()
-        self.capture = GraphCapture(self.learn, self._warn) if self.graph else None
+        race = StepRace() if self.graph == 'auto' else None
+        self.capture = GraphCapture(self.learn, self._warn, race) if self.graph else None
 
     def after_loss(self):
         "The training loss as a plain tensor: fastai's loss classes return a `TensorBase`, whose every op (the backward, the smoothing) goes through Python"
@@ -299,9 +356,13 @@ class FastStep(Callback):
     def before_train(self):
         say_sync_bn(self.learn) # once a process; fastai's DistributedTrainer has made its SyncBatchNorms by now
         if self.freeze_gc: GCFreeze.start() # training's, not `get_preds`' or `validate`'s (no `before_train`)
-        if self.capture: self.capture.install()
+        if self.capture: self._restart_race(); self.capture.install()
+    def before_batch(self):
+        if self.training and self.capture: self.capture.before_batch()
     def before_validate(self):
-        if self.capture: self.capture.remove()
+        if self.capture: self._restart_race(); self.capture.remove()
+    def _restart_race(self):
+        if self.capture.race: self.capture.race.restart()
     def after_fit(self):
         if self.capture: self.capture.release()
         self.capture = None

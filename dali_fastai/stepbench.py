@@ -97,7 +97,7 @@ def syncs_per_batch(learn, n:int=20)->float|None:
     return len([x for x in w if 'synchroniz' in str(x.message)]) / (n + 1)
 
 # %% ../nbs/08e_stepbench.ipynb #50886bde
-FASTAI_ROWS = {'fastai': lambda: [], 'FastStep': lambda: [FastStep()], 'FastStep graph': lambda: [FastStep(graph=True)]}
+FASTAI_ROWS = {'fastai': lambda: [], 'FastStep': lambda: [FastStep(graph=False)], 'FastStep graph': lambda: [FastStep(graph=True)]}
 
 class HostClock:
     "A timed pass's clock that also reads the CPU time of the thread that trains at each reading: the host's share of the pass"
@@ -244,7 +244,7 @@ def task_time_to_accuracy(task:str, # 'classification' (ResNet-18, accuracy), 's
     nw = os.cpu_count() if workers is None else workers
     ours = lambda: DaliDataLoaders.from_dblock(db, src, bs=bs, device=device, seed=0)
     runs = {'fastai': (lambda: db.dataloaders(src, bs=bs, device=device, num_workers=nw), lambda: []),
-            'dali_fastai': (ours, lambda: []), 'dali_fastai + FastStep': (ours, lambda: [FastStep()])}
+            'dali_fastai': (ours, lambda: []), 'dali_fastai + FastStep': (ours, lambda: [FastStep(graph=False)])}
     if device.type == 'cuda': runs['dali_fastai + FastStep(graph=True)'] = (ours, lambda: [FastStep(graph=True)])
     res = dict(machine=machine_info(device), settings=dict(task=task, model=t.model, size=size or t.size, bs=bs, epochs=epochs, lr=lr,
                seeds=list(seeds), device=str(device)), runs={})
@@ -290,7 +290,7 @@ CAPTURE_MODELS = {'resnet18': ('classification', partial(_classifier, torchvisio
                   'unet_resnet34': ('segmentation', _unet, None),
                   'fcos': ('detection', partial(_detector, 'fcos'), None)}
 CAPTURE_BSS = {'classification': (64, 256), 'segmentation': (16, 64), 'detection': (16, 64)} # a task's default batch sizes
-CAPTURE_ROWS = {'eager': lambda: [FastStep()], 'graph': lambda: [FastStep(graph=True)]}
+CAPTURE_ROWS = {'eager': lambda: [FastStep(graph=False)], 'graph': lambda: [FastStep(graph=True)]}
 
 def _timed_fit(learn, n_batches:int, warmup:int, clock:Callable, said:list)->dict:
     "One fit of `_fastai_rate`: images per second, the seconds its first `warmup` batches took beyond that pace, the host's ms a step"
@@ -309,7 +309,7 @@ def capture_rows(dls, # DataLoaders to train from
                  n_batches:int=30, warmup:int=5, passes:int=3, # as in `step_rows`; a fit's first `warmup` batches are its start
                  clock:Callable=time.perf_counter,
                 )->dict: # 'eager', 'graph': img/s; 'graph/eager'; 'start s', 'first start s', 'host ms per step': of each; 'capture s', 'break-even', 'fell back', 'fits'
-    "`FastStep()` and `FastStep(graph=True)` on one learner's model, their fits taken in turn: the steady rates, their ratio, what a fit's start and its capture cost, and why the capture fell back"
+    "`FastStep(graph=False)` and `FastStep(graph=True)` on one learner's model, their fits taken in turn: the steady rates, their ratio, what a fit's start and its capture cost, and why the capture fell back"
     learners = {k: make_learner(dls, cbs()) for k,cbs in CAPTURE_ROWS.items()}
     fits,said = {k: [] for k in learners},[]
     for _ in range(passes):
@@ -340,7 +340,7 @@ def _capture_line(name:str, r:dict)->str:
 def format_captures(res:dict)->str:
     "The capture table: per model and batch size, each step's img/s, graph/eager, each fit's start and the capture's cost, break-even, the fallback; the loaders alone; then the rows where the graph was slower"
     m,s = res['machine'],res['settings']
-    lines = [f"FastStep() (eager) and FastStep(graph=True) (graph), {m['gpu'] or 'CPU'}, {m['date']}: img/s, medians of "
+    lines = [f"FastStep(graph=False) (eager) and FastStep(graph=True) (graph), {m['gpu'] or 'CPU'}, {m['date']}: img/s, medians of "
              f"{s['passes']} fits each; start: seconds of a fit's first {s['warmup']} batches beyond its steady pace (1st: the graph's first fit); capture: "
              "the graph's start less eager's, paid each fit; break-even: batches a fit needs to win it back",
              f"{'model':<15}{'bs':>5}{'eager':>9}{'graph':>9}{'g/e':>8}{'start e':>9}{'start g':>9}{'1st g':>9}{'capture':>9}{'b-even':>8}  fell back?"]

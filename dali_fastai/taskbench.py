@@ -174,7 +174,7 @@ def time_to_accuracy(path:str|Path|None=None, # ImageNet-style folder; default: 
     path = bench_images(n_per_class=2000) if path is None else Path(path)
     fastai_dls,dali_dls = lambda: fastai_default_dls(path, size, bs, device, workers),lambda: aug_transforms_dls(path, size, bs, device)
     runs = {'fastai': (fastai_dls, []), 'dali_fastai': (dali_dls, [])}
-    if fast_step: runs['dali_fastai + FastStep'] = (dali_dls, [FastStep()])
+    if fast_step: runs['dali_fastai + FastStep'] = (dali_dls, [FastStep(graph=False)])
     if fast_step and device.type == 'cuda': runs['dali_fastai + FastStep(graph=True)'] = (dali_dls, [FastStep(graph=True)])
     res = dict(machine=machine_info(device), settings=dict(path=str(path), arch=arch, epochs=epochs, lr=lr, size=size, bs=bs,
                device=str(device), seed=seed),

@@ -349,3 +349,54 @@ def test_the_capture_s_warm_up_leaves_the_buffers_as_they_were(tmp_path):
     for k in eager:
         if 'num_batches_tracked' in k: assert eager[k].item() == captured[k].item() == start[k].item() + 1, k
         else: assert not torch.equal(eager[k], start[k]) and torch.allclose(captured[k], eager[k], rtol=1e-4, atol=1e-6), k
+
+
+# ---------------------------------------------------------------- graph='auto': capture when it is faster
+
+def test_auto_on_the_cpu_says_nothing_and_a_wrong_graph_is_refused(dls, tmp_path):
+    "`FastStep()` (graph='auto') on the CPU: nothing to capture, nothing said; `graph=True` there says why; other values are refused"
+    def said(fs):
+        learn = learner(make_dls(), tmp_path, fast=False, cbs=[fs])
+        with quiet(learn), warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter('always'); learn.fit(1, 1e-2)
+        return [str(x.message) for x in w if 'FastStep' in str(x.message)]
+    assert said(FastStep()) == []
+    assert any('not on a CUDA device' in m for m in said(FastStep(graph=True)))
+    with pytest.raises(ValueError, match="'auto'"): FastStep(graph='yes')
+
+
+class _Rigged(StepRace):
+    "A race whose clock says what the test wants: `eager` and `graph` seconds for their stretches"
+    def __init__(self, eager, graph):
+        super().__init__(warmup=1, n=2)
+        self.times = iter([0, eager, 100, 100 + graph])
+    def _now(self): return next(self.times)
+
+
+@needs_gpu("FastStep(graph='auto') captures on a CUDA device")
+@pytest.mark.parametrize('faster', ['graph', 'eager'])
+def test_auto_trains_on_with_the_faster_step(tmp_path, monkeypatch, faster):
+    "The race's winner trains the rest of the fit (the graphs kept, or let go), and the weights are those of the uncaptured step"
+    import dali_fastai.faststep as faststep
+    from fastai.callback.core import Callback
+    from fastai.data.core import DataLoaders
+    from fastai.data.load import DataLoader
+    monkeypatch.setattr(faststep, 'StepRace', lambda: _Rigged(*((2, 1) if faster == 'graph' else (1, 2))))
+    kept = {}
+    class AtTheEnd(Callback):
+        order = FastStep.order + 1
+        def after_train(self):
+            cap = self.learn.fast_step.capture
+            kept.update(winner=cap.race.winner, graphs=len(cap.graphs), forward='forward' in vars(cap.model))
+    g = torch.Generator().manual_seed(0)
+    ds = list(zip(torch.randn(48, 3, 16, 16, generator=g), torch.randint(0, 2, (48,), generator=g)))
+    def weights(graph):
+        dls = DataLoaders(DataLoader(ds[:40], bs=4), DataLoader(ds[40:], bs=4))  # no shuffle: the same batches; 10 a training epoch
+        learn = Learner(dls, small_cnn(2).cuda(), loss_func=CrossEntropyLossFlat(), path=tmp_path, cbs=[FastStep(graph=graph), AtTheEnd()])
+        with quiet(learn), warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter('always'); learn.fit(1, 1e-2)
+        assert not [x for x in w if 'FastStep' in str(x.message)], [str(x.message) for x in w]
+        return torch.cat([p.detach().flatten() for p in learn.model.parameters()])
+    auto = weights('auto')
+    assert kept == ({'winner': 'graph', 'graphs': 1, 'forward': True} if faster == 'graph' else {'winner': 'eager', 'graphs': 0, 'forward': False})
+    assert torch.allclose(auto, weights(False), rtol=1e-3, atol=1e-5)
