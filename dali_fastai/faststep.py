@@ -230,11 +230,20 @@ class GraphCapture:
         if vars(self.model).get('forward') == self.forward: del self.model.forward
     def release(self): self.remove(); self.graphs = {}
 
+    def _let_the_last_graph_go(self):
+        "The previous batch's prediction and loss, which keep its autograd graph alive, go before a capture (this batch replaces them)"
+        # that graph holds the parameters' AccumulateGrad nodes, made on the stream of that batch: kept alive, autograd runs them
+        # on that stream from inside the capture, which invalidates it when it is the default stream (`graph='auto'` captures
+        # after uncaptured batches, on fastai's own loaders on the default stream)
+        for k in ('pred', 'loss_grad', 'loss'):
+            if getattr(self.learn, k, None) is not None: setattr(self.learn, k, None)
+
     def _capture(self, xs:tuple, key:tuple):
         "Capture with the shapes of `xs`; the warm-up passes leave the model's buffers (BatchNorm statistics) as they were"
         m = self.model
         saved = [(b, b.detach().clone()) for b in m.buffers()]
         self.remove()
+        self._let_the_last_graph_go()
         try:
             with _quiet_stream_mismatch(), torch.autocast('cuda', dtype=torch.get_autocast_dtype('cuda'),
                                                           enabled=torch.is_autocast_enabled('cuda'), cache_enabled=False):

@@ -387,7 +387,7 @@ def test_auto_trains_on_with_the_faster_step(tmp_path, monkeypatch, faster):
         order = FastStep.order + 1
         def after_train(self):
             cap = self.learn.fast_step.capture
-            kept.update(winner=cap.race.winner, graphs=len(cap.graphs), forward='forward' in vars(cap.model))
+            if cap is not None: kept.update(winner=cap.race.winner, graphs=len(cap.graphs), forward='forward' in vars(cap.model))
     g = torch.Generator().manual_seed(0)
     ds = list(zip(torch.randn(48, 3, 16, 16, generator=g), torch.randint(0, 2, (48,), generator=g)))
     def weights(graph):
