@@ -133,6 +133,13 @@ class StepRace:
                  clock:Callable=time.perf_counter, sync:Callable|None=None):
         store_attr('warmup,n,clock'); self.sync = sync or torch.cuda.synchronize
         self.stage,self.count,self.start,self.secs,self.winner = 'warmup',0,None,{},None
+        self.verdicts,self.key = None,None
+
+    def recall(self, verdicts:dict, # an earlier fit's winners, by `key` (kept by `FastStep` across its fits)
+               key): # what the winner depends on: the batch's shapes and the parameters being trained
+        "Take the winner of an earlier race for `key` instead of racing; the winner of this race is kept there for the next fit"
+        self.verdicts,self.key = verdicts,key
+        if key in verdicts: self.stage,self.winner = 'done',verdicts[key]
 
     def _now(self)->float: self.sync(); return self.clock()
     def wants_graph(self)->bool: return self.stage in ('capture', 'graph') or self.winner == 'graph'
@@ -155,7 +162,9 @@ class StepRace:
         if self.count < self.n: return
         self.secs[self.stage] = self._now() - self.start
         if self.stage == 'eager': self.stage = 'capture'
-        else: self.stage,self.winner = 'done',self._choose()
+        else:
+            self.stage,self.winner = 'done',self._choose()
+            if self.verdicts is not None: self.verdicts[self.key] = self.winner
 
     def _choose(self)->str:
         secs = [self.secs['eager'], self.secs['graph']]
@@ -220,7 +229,7 @@ class GraphCapture:
         "`graph='auto'`: a training batch for the race; once the uncaptured step has won it, the graphs go"
         if self.race is None or self.failed: return
         self.race.before_batch()
-        if self.race.winner == 'eager' and self.graphs: self.release()
+        if self.race.winner == 'eager' and (self.graphs or 'forward' in vars(self.model)): self.release()
 
     def _eager(self, *args, **kwargs): return type(self.model).forward(self.model, *args, **kwargs)
     def install(self):
@@ -310,6 +319,7 @@ class FastStep(Callback):
                              "capture when the captured step trains faster)")
         store_attr('graph,channels_last,fused,device_metrics,freeze_gc')
         self._warned,self.capture,self._saved = set(),None,None # `validate` and `get_preds` may come before any fit
+        self.verdicts = {} # `graph='auto'`: each race's winner, for the fits after it (`StepRace.recall`)
 
     def _warn(self, msg):
         if msg not in self._warned: self._warned.add(msg); warnings.warn(msg, stacklevel=2)
@@ -366,8 +376,15 @@ class FastStep(Callback):
         say_sync_bn(self.learn) # once a process; fastai's DistributedTrainer has made its SyncBatchNorms by now
         if self.freeze_gc: GCFreeze.start() # training's, not `get_preds`' or `validate`'s (no `before_train`)
         if self.capture: self._restart_race(); self.capture.install()
+    def _race_key(self)->tuple:
+        "What a race's winner depends on: the batch's shapes and how many parameters are trained"
+        shapes = tuple(tuple(x.shape) for x in self.learn.xb if isinstance(x, torch.Tensor))
+        return shapes,sum(p.numel() for p in self.learn.model.parameters() if p.requires_grad)
     def before_batch(self):
-        if self.training and self.capture: self.capture.before_batch()
+        if not (self.training and self.capture): return
+        race = self.capture.race
+        if race is not None and race.verdicts is None: race.recall(self.verdicts, self._race_key())
+        self.capture.before_batch()
     def before_validate(self):
         if self.capture: self._restart_race(); self.capture.remove()
     def _restart_race(self):

@@ -140,14 +140,15 @@ def format_session(res:dict)->str:
     "The phase table (median seconds, ratio to fastai's), then each variant's fits' first and later epochs, builds and accuracy"
     m,s,runs = res['machine'],res['settings'],res['runs']
     base = runs.get('fastai', [])
+    w = max(24, *(len(v) + 2 for v in runs)) # a column as wide as its variant's name
     lines = [f"a fastai session, {m['gpu'] or 'CPU'}, {m['date']}: " + ', '.join(f'{k} {v}' for k,v in s.items() if k != 'root'),
-             f"{'phase (s)':<18}" + ''.join(f"{v:>24}" for v in runs)]
+             f"{'phase (s)':<18}" + ''.join(f"{v:>{w}}" for v in runs)]
     for k in _ROWS:
         cells = []
         for v,rs in runs.items():
             x,b = _median(rs, k),_median(base, k)
             cells.append('-' if x is None else f"{x:.2f}" + (f" ({b/x:.2f}x)" if b and v != 'fastai' and x > 0 else ''))
-        lines.append(f"{k:<18}" + ''.join(f"{c:>24}" for c in cells))
+        lines.append(f"{k:<18}" + ''.join(f"{c:>{w}}" for c in cells))
     for v,rs in runs.items():
         ok = [r for r in rs if 'error' not in r]
         if not ok: lines.append(f"{v}: failed: {rs[0]['error']}"); continue

@@ -372,10 +372,10 @@ def test_train_flags_for_fast_step_reach_train(monkeypatch):
 
 
 def test_train_with_fast_step(tmp_path, capsys):
-    "`--fast-step` (`fast_step=True`): FastStep among the callbacks, PyTorch's fused step in place, the usual last line"
+    "`--fast-step` (`fast_step=True`): FastStep (its default, graph='auto') among the callbacks, PyTorch's fused step in place, the usual last line"
     from dali_fastai.faststep import FastStep
     learn = cli.train(image_folder(tmp_path/'data', n=8), epochs=1, size=16, bs=4, device='cpu', seed=0, progress=False, fast_step=True)
-    assert any(isinstance(cb, FastStep) and not cb.graph for cb in learn.cbs)
+    assert any(isinstance(cb, FastStep) and cb.graph == 'auto' for cb in learn.cbs)  # FastStep's default: captured where faster
     assert type(learn.opt).__name__ == 'FastOptimizer'
     assert capsys.readouterr().out.splitlines()[-1].startswith('done: 1 epoch of resnet18 on 16 images (cpu) in ')
 

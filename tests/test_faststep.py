@@ -400,3 +400,27 @@ def test_auto_trains_on_with_the_faster_step(tmp_path, monkeypatch, faster):
     auto = weights('auto')
     assert kept == ({'winner': 'graph', 'graphs': 1, 'forward': True} if faster == 'graph' else {'winner': 'eager', 'graphs': 0, 'forward': False})
     assert torch.allclose(auto, weights(False), rtol=1e-3, atol=1e-5)
+
+
+def _race(times, verdicts=None, key='k'):
+    "A race of one batch each way after none of warm-up, on a clock reading `times`; the stages it went through"
+    race = StepRace(warmup=0, n=1, clock=iter(times).__next__, sync=lambda: None)
+    if verdicts is not None: race.recall(verdicts, key)
+    for _ in range(2): race.before_batch()
+    race.captured()
+    for _ in range(2): race.before_batch()
+    return race
+
+
+def test_the_race_keeps_the_faster_and_a_tie_the_uncaptured():
+    assert _race([0, 2, 2, 3]).winner == 'graph'
+    assert _race([0, 2, 2, 5]).winner == 'eager'
+    assert _race([0, 2, 2, 4]).winner == 'eager', "a tie keeps the uncaptured step: the capture is not paid for nothing"
+
+
+def test_a_fit_takes_the_winner_of_an_earlier_race_for_the_same_batches_and_parameters():
+    verdicts = {}
+    assert _race([0, 2, 2, 3], verdicts).winner == 'graph' and verdicts == {'k': 'graph'}
+    again = _race([], verdicts)  # an empty clock: reading it would fail
+    assert (again.stage, again.winner, again.wants_graph()) == ('done', 'graph', True)
+    assert _race([0, 2, 2, 5], verdicts, key='unfrozen').winner == 'eager' and verdicts == {'k': 'graph', 'unfrozen': 'eager'}
