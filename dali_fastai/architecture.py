@@ -68,7 +68,7 @@ LAYERS = (
      "`DaliDataLoaders`, fastai's factory methods (`from_dblock`, `from_folder`, ...) and the loaders of the datasets' folder layouts."),
     ('learner side', ('callbacks', 'distributed', 'postprocess', 'detectors', 'detection', 'fastopt', 'faststep'),
      "What runs in the `Learner`: callbacks for DALI's raw iterators, DDP and resume, torchvision's detectors with a batched training step and validation (their postprocessing for the batch), the detection adapter, fastai's optimizers with PyTorch's fused step, `FastStep`."),
-    ('bench', ('measure', 'baselines', 'peers', 'bench', 'taskbench', 'stepbench', 'sessionbench'),
+    ('bench', ('measure', 'baselines', 'peers', 'bench', 'taskbench', 'stepbench', 'sessionbench', 'capturebench'),
      "How fast and how well: the measurements, what they are put beside (fastai's loaders, the peers' loaders) and the benches."),
     ('cli', ('cli',), "The `dali-fastai` command: train, bench, shards."),
     ('all', ('all',), "`from dali_fastai.all import *`: every public name the docs use."),

@@ -304,7 +304,7 @@ def parser()->argparse.ArgumentParser:
     b.add_argument('--passes', type=int, default=3, help="passes; the median is kept (default: 3)")
     b.add_argument('--archs', '--models', default=None, help="models for the training benchmark, comma-separated, '' to skip "
                    "(GPU only; default: resnet18,resnet50; detection: fcos; segmentation: resnet34, unet_learner's encoder; "
-                   "capture: names of stepbench.CAPTURE_MODELS)")
+                   "capture: names of capturebench.CAPTURE_MODELS)")
     b.add_argument('--no-fastai', dest='fastai_loader', action='store_false', help="skip fastai's default loader")
     b.add_argument('--workers', type=int, default=None, help="worker processes of fastai's loader (default: one per core)")
     b.add_argument('--n-per-class', type=int, default=500, help="images a class in the generated set (default: 500)")
@@ -379,7 +379,7 @@ def _bench(task:str, path, n_per_class:int, size:int|None, bs:int|None, archs:st
         res['tasks'] = {t: task_step_bench(t, **kwargs) for t in ('segmentation', 'detection', 'retinanet')}
         return _saved(res, out, 'step.json')
     if task == 'capture':
-        from dali_fastai.stepbench import capture_bench, CAPTURE_MODELS
+        from dali_fastai.capturebench import capture_bench, CAPTURE_MODELS
         kwargs.pop('workers', None)
         res = capture_bench(_names(archs, ','.join(CAPTURE_MODELS)), (bs,) if bs else None,
                             None if path is None else {'classification': path}, size, **kwargs)

@@ -283,8 +283,8 @@ def _tiny_classifier(dls, cbs, metric, size):
 
 def test_bench_capture_on_the_cpu(tmp_path, capsys, monkeypatch):
     "`bench --task capture` end to end on the CPU: a row a model and batch size, eager beside graph, whose capture the CPU refuses (the row says why), the ratio of the rates in the JSON and the table; a model whose module does not import is skipped, named"
-    import dali_fastai.stepbench as sb
-    monkeypatch.setattr(sb, 'CAPTURE_MODELS', {**sb.CAPTURE_MODELS, 'tiny': ('classification', _tiny_classifier, None),
+    import dali_fastai.capturebench as cb
+    monkeypatch.setattr(cb, 'CAPTURE_MODELS', {**cb.CAPTURE_MODELS, 'tiny': ('classification', _tiny_classifier, None),
                                                 'absent': ('classification', _tiny_classifier, 'no_such_module_h39')})
     cli.main(['bench', str(image_folder(tmp_path/'data', n=8)), '--task', 'capture', '--models', 'tiny,absent', '--bs', '4',
               '--size', '32', '--device', 'cpu', '--batches', '2', '--warmup', '1', '--passes', '2', '--out', str(tmp_path/'out')])
