@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from dali_fastai import cli
+from dali_fastai import cli, training
 from dali_fastai.layouts import dataloaders_for
 
 
@@ -179,7 +179,7 @@ def coco2017(scenes:Path, root:Path)->Path:
 def loaders_only(monkeypatch):
     "`fit_and_report` records the Learner's loaders instead of training: the command's loaders, without the minutes"
     seen = {}
-    monkeypatch.setattr(cli, 'fit_and_report', lambda learn, *args, **kwargs: seen.update(dls=learn.dls))
+    monkeypatch.setattr(training, 'fit_and_report', lambda learn, *args, **kwargs: seen.update(dls=learn.dls))
     return seen
 
 
