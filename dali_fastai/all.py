@@ -50,7 +50,8 @@ with warnings.catch_warnings():
     from dali_fastai.baselines import COMPILED, fastai_aug_tfms, fastai_default_dls, aug_transforms_dls
     from dali_fastai.bench import bench, format_results
     from dali_fastai.taskbench import task_bench, detection_bench, segmentation_bench, scale_bench, time_to_accuracy, shards_bench
-    from dali_fastai.stepbench import PlainLoop, HostClock, step_bench, task_step_bench, task_time_to_accuracy, capture_bench, CAPTURE_MODELS
+    from dali_fastai.stepbench import PlainLoop, HostClock, step_bench, task_step_bench, task_time_to_accuracy
+    from dali_fastai.capturebench import capture_bench, CAPTURE_MODELS
     from dali_fastai.sessionbench import session_run, session_bench, format_session
 
 # %% ../nbs/10_all.ipynb #f745ce07

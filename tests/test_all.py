@@ -10,7 +10,8 @@ import dali_fastai.all as everything
 ROOT = Path(__file__).resolve().parents[1]
 # Names the docs use that stay in their modules on purpose. Common words that a star import would shadow in a user's
 # notebook (`grayscale` is fastai's own name too): DALI graph pieces, imported from their modules where graphs are
-# built. And the command line's functions: importing `dali_fastai.cli` sets the command's warning filters for the process.
+# built. And the command line's functions, `dali_fastai.training`'s (what `dali-fastai train` runs) and `dali_fastai.cli`'s:
+# importing `dali_fastai.cli` sets the command's warning filters for the process.
 KEPT_IN_MODULES = {'augment', 'warp', 'normalize', 'lighting', 'maybe', 'shuffled', 'grayscale',
                    'train', 'train_detection', 'train_segmentation', 'as_flags', 'fit_and_report'}
 # Modules whose names stay there: the bench's optional peers (kornia, torchvision's transforms), which the library never

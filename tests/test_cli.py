@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from dali_fastai import cli
+from dali_fastai import cli, training
 from dali_fastai.layouts import dataloaders_for
 
 
@@ -179,7 +179,7 @@ def coco2017(scenes:Path, root:Path)->Path:
 def loaders_only(monkeypatch):
     "`fit_and_report` records the Learner's loaders instead of training: the command's loaders, without the minutes"
     seen = {}
-    monkeypatch.setattr(cli, 'fit_and_report', lambda learn, *args, **kwargs: seen.update(dls=learn.dls))
+    monkeypatch.setattr(training, 'fit_and_report', lambda learn, *args, **kwargs: seen.update(dls=learn.dls))
     return seen
 
 
@@ -283,8 +283,8 @@ def _tiny_classifier(dls, cbs, metric, size):
 
 def test_bench_capture_on_the_cpu(tmp_path, capsys, monkeypatch):
     "`bench --task capture` end to end on the CPU: a row a model and batch size, eager beside graph, whose capture the CPU refuses (the row says why), the ratio of the rates in the JSON and the table; a model whose module does not import is skipped, named"
-    import dali_fastai.stepbench as sb
-    monkeypatch.setattr(sb, 'CAPTURE_MODELS', {**sb.CAPTURE_MODELS, 'tiny': ('classification', _tiny_classifier, None),
+    import dali_fastai.capturebench as cb
+    monkeypatch.setattr(cb, 'CAPTURE_MODELS', {**cb.CAPTURE_MODELS, 'tiny': ('classification', _tiny_classifier, None),
                                                 'absent': ('classification', _tiny_classifier, 'no_such_module_h39')})
     cli.main(['bench', str(image_folder(tmp_path/'data', n=8)), '--task', 'capture', '--models', 'tiny,absent', '--bs', '4',
               '--size', '32', '--device', 'cpu', '--batches', '2', '--warmup', '1', '--passes', '2', '--out', str(tmp_path/'out')])
