@@ -39,7 +39,8 @@ with warnings.catch_warnings():
     from dali_fastai.layouts import dataloaders_for, detection_dataloaders, segmentation_dataloaders
     from dali_fastai.callbacks import UnpackDaliBatch, ClampSchedPos, restart_epoch, DaliResetCallback
     from dali_fastai.fastopt import FastOptimizer, torch_step
-    from dali_fastai.faststep import FastStep, on_device, HostReads, OpCounts, GraphCapture, StepRace, GCFreeze
+    from dali_fastai.capture import GraphCapture, StepRace
+    from dali_fastai.faststep import FastStep, on_device, HostReads, OpCounts, GCFreeze
     from dali_fastai.distributed import DaliDistributed, DaliCheckpoint
     from dali_fastai.datasets import FASHION_MNIST_CLASSES, fashion_mnist_df, write_once, fashion_mnist
     from dali_fastai.scenes import SCENE_CODES, fashion_scenes

@@ -6,20 +6,15 @@ Docs: https://dali-fastai.github.io/dali_fastai/faststep.html.md"""
 
 # %% auto #0
 __all__ = ['DeviceSmoothLoss', 'DeviceAvgLoss', 'DeviceAvgMetric', 'DeviceAccumMetric', 'on_device', 'HostMirror',
-           'HostSmoothLoss', 'host_losses', 'StepRace', 'GraphCapture', 'GCFreeze', 'FastStep', 'HostReads', 'OpCounts']
+           'HostSmoothLoss', 'host_losses', 'GCFreeze', 'FastStep', 'HostReads', 'OpCounts']
 
 # %% ../nbs/07e_faststep.ipynb #2375c90c
-import gc, sys, time, warnings
+import gc, sys, warnings
 from collections import Counter
-from contextlib import contextmanager
-from typing import Callable
 
 import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map
 from fastcore.basics import store_attr
 from fastcore.foundation import L
 from fastai.callback.core import Callback
@@ -28,9 +23,10 @@ from fastai.callback.schedule import LRFinder
 from fastai.learner import AvgLoss, AvgMetric, AvgSmoothLoss, Recorder
 from fastai.metrics import AccumMetric
 from fastai.optimizer import Optimizer
-from fastai.torch_core import TensorBase, find_bs, flatten_check, rank_distrib, to_detach
+from fastai.torch_core import TensorBase, find_bs, flatten_check, to_detach
 from .fastopt import FastOptimizer, torch_step
 from .distributed import say_sync_bn
+from .capture import GraphCapture, StepRace
 
 # %% ../nbs/07e_faststep.ipynb #f87763a3
 def _on_device(x, learn=None):
@@ -124,165 +120,6 @@ def host_losses(rec:Recorder):
     dev = [i for i,l in enumerate(rec.losses) if isinstance(l, torch.Tensor) and l.device.type != 'cpu']
     if not dev: return
     for i,v in zip(dev, torch.stack([rec.losses[i] for i in dev]).cpu().unbind()): rec.losses[i] = v
-
-# %% ../nbs/07e_faststep.ipynb #0b96f5fa
-class StepRace:
-    "The uncaptured step against the captured one on a fit's own training batches: `n` of each after `warmup`, timed between GPU syncs"
-    def __init__(self, warmup:int=3, # batches left untimed first (the loader's start, cuDNN's choices)
-                 n:int=8, # batches timed each way
-                 clock:Callable=time.perf_counter, sync:Callable|None=None):
-        store_attr('warmup,n,clock'); self.sync = sync or torch.cuda.synchronize
-        self.stage,self.count,self.start,self.secs,self.winner = 'warmup',0,None,{},None
-        self.verdicts,self.key = None,None
-
-    def recall(self, verdicts:dict, # an earlier fit's winners, by `key` (kept by `FastStep` across its fits)
-               key): # what the winner depends on: the batch's shapes and the parameters being trained
-        "Take the winner of an earlier race for `key` instead of racing; the winner of this race is kept there for the next fit"
-        self.verdicts,self.key = verdicts,key
-        if key in verdicts: self.stage,self.winner = 'done',verdicts[key]
-
-    def _now(self)->float: self.sync(); return self.clock()
-    def wants_graph(self)->bool: return self.stage in ('capture', 'graph') or self.winner == 'graph'
-    def captured(self):
-        "This batch's forward captured the graph: the captured stretch starts at the next batch"
-        if self.stage == 'capture': self.stage,self.count,self.start = 'graph',0,None
-    def restart(self):
-        "Validation or a new epoch came in between: the stretch being timed starts again"
-        if self.stage in ('eager', 'graph'): self.count,self.start = 0,None
-
-    def before_batch(self):
-        "Count a training batch; at the end of a stretch, read the clock; after both, choose"
-        if self.stage == 'warmup':
-            self.count += 1
-            if self.count <= self.warmup: return
-            self.stage,self.start = 'eager',None
-        if self.stage not in ('eager', 'graph'): return
-        if self.start is None: self.start,self.count = self._now(),0; return
-        self.count += 1
-        if self.count < self.n: return
-        self.secs[self.stage] = self._now() - self.start
-        if self.stage == 'eager': self.stage = 'capture'
-        else:
-            self.stage,self.winner = 'done',self._choose()
-            if self.verdicts is not None: self.verdicts[self.key] = self.winner
-
-    def _choose(self)->str:
-        secs = [self.secs['eager'], self.secs['graph']]
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() == 'nccl':
-            t = torch.tensor(secs, device=torch.device('cuda', torch.cuda.current_device()))
-            dist.all_reduce(t, op=dist.ReduceOp.MAX) # the slowest rank's times: every rank chooses alike
-            secs = t.tolist()
-        return 'graph' if secs[1] < secs[0] else 'eager'
-
-# %% ../nbs/07e_faststep.ipynb #135250b6
-@contextmanager
-def _quiet_stream_mismatch():
-    "Without PyTorch's warning that a parameter's AccumulateGrad node was made on another stream: a capture runs on a stream of its own"
-    get,put = (getattr(torch._C, f'_{k}warn_on_accumulate_grad_stream_mismatch', None) for k in ('', 'set_'))
-    was = get() if get and put else None
-    if was: put(False)
-    try: yield
-    finally:
-        if was: put(True)
-
-class GraphCapture:
-    "The model's training forward and backward replayed as CUDA graphs, one for each of a few shapes of its tensor inputs"
-    max_graphs = 4 # shapes captured at most; batches of another shape run uncaptured
-    def __init__(self, learn, warn:Callable,
-                 race:StepRace|None=None, # `graph='auto'`: capture only if the race finds the captured step faster
-                ):
-        # under DDP the module inside is captured: DDP's hooks all-reduce the gradients its replayed backward hands to autograd
-        # (`DaliDistributed` made the parameters' AccumulateGrad nodes, which DDP keeps, on the step's stream: see 07a)
-        self.learn,self.warn,self.race,self.graphs,self.failed,self.checked_ddp = learn,warn,race,{},None,False
-        self.model = learn.model.module if isinstance(learn.model, DistributedDataParallel) else learn.model
-        why = self._refusal()
-        # with `graph='auto'` a model on the CPU is simply not captured: nothing was asked
-        if why: self._fail(why, quiet=race is not None and why.startswith('the model is not on a CUDA device'))
-
-    def _refusal(self)->str|None:
-        m = self.model
-        if not any(True for _ in m.parameters()) or not next(m.parameters()).is_cuda:
-            ddp = f" (DDP over {dist.get_backend()} on the CPU)" if dist.is_available() and dist.is_initialized() else ''
-            return f"the model is not on a CUDA device{ddp}"
-        if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks: return "the model has hooks, which a graph would skip"
-
-    def _ddp_refusal(self)->str|None:
-        "What keeps the DDP wrapping the model (fastai's `DistributedTrainer` wraps it after `before_fit`) from training it captured"
-        ddp = self.learn.model
-        if not isinstance(ddp, DistributedDataParallel) or ddp.module is not self.model: return None
-        if ddp.find_unused_parameters:
-            return ("DDP's find_unused_parameters=True looks for the parameters a forward left unused in its autograd graph, "
-                    "where a capture leaves one node using them all: build the model without unused parameters and leave it False")
-        if any(isinstance(l, torch.nn.SyncBatchNorm) for l in self.model.modules()):
-            return ("the model has SyncBatchNorm layers, whose statistics every forward exchanges between the GPUs, outside "
-                    "what a graph can hold: use learn.distrib_ctx(sync_bn=False), each GPU's BatchNorm on its own batch")
-        backend = dist.get_backend(ddp.process_group)
-        if backend != 'nccl': return f"DDP's process group runs on {backend}, and CUDA graphs train under DDP over NCCL only"
-
-    def _fail(self, why:str, quiet:bool=False):
-        self.failed = why
-        # said by the first process only: every rank fails for the same reason
-        said = 'FastStep(graph=True)' if self.race is None else "FastStep (graph='auto')"
-        if rank_distrib() == 0 and not quiet: self.warn(f"{said}: {why}; training goes on with the uncaptured fast step")
-
-    def before_batch(self):
-        "`graph='auto'`: a training batch for the race; once the uncaptured step has won it, the graphs go"
-        if self.race is None or self.failed: return
-        self.race.before_batch()
-        if self.race.winner == 'eager' and (self.graphs or 'forward' in vars(self.model)): self.release()
-
-    def _eager(self, *args, **kwargs): return type(self.model).forward(self.model, *args, **kwargs)
-    def install(self):
-        if self.failed or (self.race and self.race.winner == 'eager'): return
-        if 'forward' not in vars(self.model): self.model.forward = self.forward
-    def remove(self):
-        if vars(self.model).get('forward') == self.forward: del self.model.forward
-    def release(self): self.remove(); self.graphs = {}
-
-    def _let_the_last_graph_go(self):
-        "The previous batch's prediction and loss, which keep its autograd graph alive, go before a capture (this batch replaces them)"
-        # that graph holds the parameters' AccumulateGrad nodes, made on the stream of that batch: kept alive, autograd runs them
-        # on that stream from inside the capture, which invalidates it when it is the default stream (`graph='auto'` captures
-        # after uncaptured batches, on fastai's own loaders on the default stream)
-        for k in ('pred', 'loss_grad', 'loss'):
-            if getattr(self.learn, k, None) is not None: setattr(self.learn, k, None)
-
-    def _capture(self, xs:tuple, key:tuple):
-        "Capture with the shapes of `xs`; the warm-up passes leave the model's buffers (BatchNorm statistics) as they were"
-        m = self.model
-        saved = [(b, b.detach().clone()) for b in m.buffers()]
-        self.remove()
-        self._let_the_last_graph_go()
-        try:
-            with _quiet_stream_mismatch(), torch.autocast('cuda', dtype=torch.get_autocast_dtype('cuda'),
-                                                          enabled=torch.is_autocast_enabled('cuda'), cache_enabled=False):
-                torch.cuda.make_graphed_callables(m, xs, allow_unused_input=True)
-            self.graphs[key] = vars(m)['forward']
-        except Exception as e: self._fail(f"capturing the model failed ({type(e).__name__}: {e})")
-        finally:
-            vars(m).pop('forward', None)
-            with torch.no_grad():
-                for b,v in saved: b.copy_(v)
-        self.install()
-
-    def forward(self, *args, **kwargs):
-        if not self.model.training or not torch.is_grad_enabled(): return self._eager(*args, **kwargs)
-        if (kwargs or not args or not all(isinstance(a, torch.Tensor) for a in args)) and not self.failed:
-            self._fail("the model takes keywords or inputs that are not tensors, and only tensor inputs are captured")
-        if not self.checked_ddp and not self.failed:
-            self.checked_ddp = True
-            if why := self._ddp_refusal(): self._fail(why)
-        if self.failed or (self.race and not self.race.wants_graph()): return self._eager(*args, **kwargs)
-        xs = tuple(a.as_subclass(torch.Tensor) for a in args)
-        key = tuple((x.shape, x.dtype, x.device) for x in xs)
-        if key not in self.graphs:
-            if len(self.graphs) < self.max_graphs:
-                self._capture(xs, key)
-                if self.race: self.race.captured()
-            else: self.warn(f"FastStep(graph=True): batches of more than {self.max_graphs} input shapes; those of other shapes train uncaptured")
-        graphed = self.graphs.get(key)
-        if self.failed or graphed is None: return self._eager(*args)
-        return tree_map(torch.clone, graphed(*xs)) # the graph's outputs are overwritten by the next replay
 
 # %% ../nbs/07e_faststep.ipynb #e58f2a34
 class GCFreeze:

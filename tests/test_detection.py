@@ -402,7 +402,7 @@ def test_a_detector_step_replays_as_a_cuda_graph(batch, arch):
     """FastStep(graph=True)'s capture of a detector: the replayed step gives the eager step's losses and gradients (also
     after a validation batch of another size, whose anchors must not free the graph's), a batch with more box rows gets a
     graph of its own, and an empty box in a replayed batch is named at the next train()/eval()"""
-    from dali_fastai.faststep import GraphCapture
+    from dali_fastai.capture import GraphCapture
     _,bx,lb,_,_ = batch
     torch.manual_seed(0)
     model = DetectionAdapter(small_detector(4, (64, 96), arch=arch, fpn_channels=64)).cuda().train()

@@ -20,7 +20,8 @@ import ddp_worker
 from helpers import GPU_RUN, index_loader, MAX_INDEX
 import dali_fastai.distributed as distributed
 from dali_fastai.data import DaliDataLoaders
-from dali_fastai.faststep import FastStep, GraphCapture
+from dali_fastai.capture import GraphCapture
+from dali_fastai.faststep import FastStep
 
 HERE = Path(__file__).parent
 

@@ -179,9 +179,9 @@ MUTANTS = [
              "validation, get_preds and predict read through one pipeline"),
     ('epoch', "        self.feed.start(files, sides)", "        self.feed.start(files[:1], [s[:1] for s in sides])",
               "a fed pipeline starts each epoch over the files it is handed"),
-    ('faststep', "return 'graph' if secs[1] < secs[0] else 'eager'", "return 'graph' if secs[1] <= secs[0] else 'eager'",
+    ('capture', "return 'graph' if secs[1] < secs[0] else 'eager'", "return 'graph' if secs[1] <= secs[0] else 'eager'",
                  "graph='auto': a tie keeps the uncaptured step"),
-    ('faststep', "        if key in verdicts: self.stage,self.winner = 'done',verdicts[key]", "        pass",
+    ('capture', "        if key in verdicts: self.stage,self.winner = 'done',verdicts[key]", "        pass",
                  "graph='auto': a fit takes an earlier fit's winner for the same batches and parameters"),
 ]
 
@@ -202,6 +202,7 @@ SELECTIONS = {  # per module: pytest arguments, relative to the repository root
     'shardindex': ['tests/test_shards.py'],
     'masks': ['tests/test_mask_sampling.py'],
     'steps': ['tests/test_mask_sampling.py'],
+    'capture': ['tests/test_faststep.py'],
     'faststep': ['tests/test_faststep.py'],
     'fastopt': ['tests/test_faststep.py'],
 }
