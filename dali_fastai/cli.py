@@ -91,9 +91,11 @@ def parser()->argparse.ArgumentParser:
                    "annotations), with a warning listing them, instead of stopping")
     t.add_argument('--export', default=None, help="save the trained Learner (Learner.export) to this file")
     t.add_argument('--fast-step', action='store_true', help="train with FastStep: PyTorch's fused optimizer, losses and "
-                   "metrics kept on the device (no host sync a batch), channels_last on a GPU (default: fastai's own step)")
+                   "metrics kept on the device (no host sync a batch); on a GPU channels_last, and CUDA graphs where a fit "
+                   "finds them faster (default: fastai's own step)")
     t.add_argument('--graph', action='store_true', help="train with FastStep(graph=True): the model's forward and backward "
-                   "replayed as CUDA graphs (GPU; implies --fast-step; where a model cannot be captured, one warning says why)")
+                   "replayed as CUDA graphs always, not only where faster (GPU; implies --fast-step; where a model cannot "
+                   "be captured, one warning says why)")
     g = t.add_argument_group('several GPUs', "DDP through torchrun (torch.distributed.run): one process a GPU, each reading "
                              "its own shard; --bs is per GPU; fastai's distrib_ctx(sync_bn=False)")
     g.add_argument('--gpus', type=int, default=1, help="processes on this machine, one a GPU (default: 1, no DDP); with "
