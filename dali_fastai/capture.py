@@ -91,11 +91,12 @@ class GraphCapture:
         self.model = learn.model.module if isinstance(learn.model, DistributedDataParallel) else learn.model
         why = self._refusal()
         # with `graph='auto'` a model on the CPU is simply not captured: nothing was asked
-        if why: self._fail(why, quiet=race is not None and why.startswith('the model is not on a CUDA device'))
+        if why: self._fail(why, quiet=race is not None and not self._on_cuda())
 
+    def _on_cuda(self)->bool: return next((p.is_cuda for p in self.model.parameters()), False)
     def _refusal(self)->str|None:
         m = self.model
-        if not any(True for _ in m.parameters()) or not next(m.parameters()).is_cuda:
+        if not self._on_cuda():
             ddp = f" (DDP over {dist.get_backend()} on the CPU)" if dist.is_available() and dist.is_initialized() else ''
             return f"the model is not on a CUDA device{ddp}"
         if m._forward_hooks or m._forward_pre_hooks or m._backward_hooks: return "the model has hooks, which a graph would skip"
@@ -113,11 +114,12 @@ class GraphCapture:
         backend = dist.get_backend(ddp.process_group)
         if backend != 'nccl': return f"DDP's process group runs on {backend}, and CUDA graphs train under DDP over NCCL only"
 
+    @property
+    def _who(self)->str: return 'FastStep(graph=True)' if self.race is None else "FastStep (graph='auto')"
     def _fail(self, why:str, quiet:bool=False):
         self.failed = why
         # said by the first process only: every rank fails for the same reason
-        said = 'FastStep(graph=True)' if self.race is None else "FastStep (graph='auto')"
-        if rank_distrib() == 0 and not quiet: self.warn(f"{said}: {why}; training goes on with the uncaptured fast step")
+        if rank_distrib() == 0 and not quiet: self.warn(f"{self._who}: {why}; training goes on with the uncaptured fast step")
 
     def before_batch(self):
         "`graph='auto'`: a training batch for the race; once the uncaptured step has won it, the graphs go"
@@ -173,7 +175,7 @@ class GraphCapture:
             if len(self.graphs) < self.max_graphs:
                 self._capture(xs, key)
                 if self.race: self.race.captured()
-            else: self.warn(f"FastStep(graph=True): batches of more than {self.max_graphs} input shapes; those of other shapes train uncaptured")
+            else: self.warn(f"{self._who}: batches of more than {self.max_graphs} input shapes; those of other shapes train uncaptured")
         graphed = self.graphs.get(key)
         if self.failed or graphed is None: return self._eager(*args)
         return tree_map(torch.clone, graphed(*xs)) # the graph's outputs are overwritten by the next replay

@@ -106,8 +106,9 @@ class DaliDistributed(Callback):
         # DDP (built after this callback's `before_fit`) keeps every parameter's AccumulateGrad node, and autograd runs a node
         # on the stream it was made on: made on DDP's stream (the default) while the step runs on the loader's, every backward
         # waited across streams (0.80x the step on 2 H200s, resnet18) and a CUDA graph's capture was invalidated
+        # (on the CPU `priority_stream` is no stream: the nodes are made all the same, for DDP to keep)
         dl = _dali_loader(self.dls.train)
-        if not self._in_ddp() or not isinstance(dl, DaliDataLoader) or dl.device.type != 'cuda': return
+        if not self._in_ddp() or not isinstance(dl, DaliDataLoader): return
         with priority_stream(dl.device, dl.priority_stream): self._nodes = grad_nodes(self.learn.model)
 
     def before_fit(self):

@@ -19,6 +19,7 @@ from fastai.losses import CrossEntropyLossFlat
 import ddp_worker
 from helpers import GPU_RUN, index_loader, MAX_INDEX
 import dali_fastai.distributed as distributed
+from dali_fastai.distributed import DaliDistributed
 from dali_fastai.data import DaliDataLoaders
 from dali_fastai.capture import GraphCapture
 from dali_fastai.faststep import FastStep
@@ -181,6 +182,24 @@ def test_fast_step_fit_with_sync_batchnorm_says_so_once(files, tmp_path, monkeyp
     if not said: assert notes == []; return
     assert len(notes) == 1, "once a process, not once a fit"
     assert '0.74x' in notes[0] and '2026-11-24' in notes[0] and 'learn.distrib_ctx(sync_bn=False)' in notes[0]
+
+
+# ---------------------------------------------------------------- DaliDistributed's gradient nodes
+
+def test_dali_distributed_holds_the_gradient_nodes_until_ddp_has_them(group, files, tmp_path):
+    """`DaliDistributed` makes the parameters' AccumulateGrad nodes before fastai's DistributedTrainer wraps the model (on a
+    GPU, on the stream the loader runs the step on), holds them while DDP is built, and lets go once DDP keeps them"""
+    class WrapsLikeFastai(_FakeDDP):
+        def before_fit(self):
+            for node in self.learn.dali_distributed._nodes: node.metadata['made by'] = 'DaliDistributed'
+            self.ddp = DistributedDataParallel(self.learn.model)
+    dls = DaliDataLoaders(index_loader(files[:16], 4, train=True, seed=0, warp_mode=None), index_loader(files[16:24], 4),
+                          path=tmp_path, device='cpu')
+    model = nn.Sequential(nn.Flatten(), nn.Linear(192, MAX_INDEX))
+    learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), cbs=[DaliDistributed(), WrapsLikeFastai(), _StopAtTraining()])
+    with learn.no_bar(), learn.no_logging(): learn.fit(1)
+    assert learn.dali_distributed._nodes is None, "let go at the training's start: DDP keeps them"
+    assert [n.metadata.get('made by') for n in distributed.grad_nodes(model)] == ['DaliDistributed']*2
 
 
 # ---------------------------------------------------------------- the DDP bench (tools/ddp_bench.py; run on GPUs by the lead)

@@ -17,8 +17,9 @@ with PyTorch's fused AdamW instead of fastai's Adam, and `--fast-step` with dali
 CUDA graphs; DDP's all-reduce runs from its hooks as the replayed backward hands over the gradients). `--compare`
 keeps each case's img/s in `--out` (JSON) as it goes and skips those already there, so a run cut short goes on where
 it stopped when started again (`--fresh` starts over); it makes the image set large enough that each rank trains on
-about `--images-per-rank` images an epoch on the most GPUs (an epoch of several seconds). The numbers of 2026-11-24 are in nbs/images/ddp_h200x2.txt and
-the distributed notebook's "Throughput"."""
+about `--images-per-rank` images an epoch on the most GPUs (an epoch of several seconds). Every img/s is the steady
+pace of the epochs after the first (a fit's start is not in it). The numbers of 2026-11-27 are in
+nbs/images/ddp_h200x2_20261127b.txt (those of 2026-11-24 in ddp_h200x2.txt) and the distributed notebook's "Throughput"."""
 import argparse, contextlib, json, math, os, subprocess, sys, tempfile, time
 from functools import partial
 from pathlib import Path
