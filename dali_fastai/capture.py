@@ -88,6 +88,7 @@ class GraphCapture:
         # under DDP the module inside is captured: DDP's hooks all-reduce the gradients its replayed backward hands to autograd
         # (`DaliDistributed` made the parameters' AccumulateGrad nodes, which DDP keeps, on the step's stream: see 07a)
         self.learn,self.warn,self.race,self.graphs,self.failed,self.checked_ddp = learn,warn,race,{},None,False
+        self.capture_seconds = 0. # seconds spent capturing (`make_graphed_callables`' warm-up passes and captures), failed ones too
         self.model = learn.model.module if isinstance(learn.model, DistributedDataParallel) else learn.model
         why = self._refusal()
         # with `graph='auto'` a model on the CPU is simply not captured: nothing was asked
@@ -149,6 +150,7 @@ class GraphCapture:
         saved = [(b, b.detach().clone()) for b in m.buffers()]
         self.remove()
         self._let_the_last_graph_go()
+        start = time.perf_counter()  # `make_graphed_callables` syncs after its warm-up passes and a capture runs no kernel: the host's clock
         try:
             with _quiet_stream_mismatch(), torch.autocast('cuda', dtype=torch.get_autocast_dtype('cuda'),
                                                           enabled=torch.is_autocast_enabled('cuda'), cache_enabled=False):
@@ -156,6 +158,7 @@ class GraphCapture:
             self.graphs[key] = vars(m)['forward']
         except Exception as e: self._fail(f"capturing the model failed ({type(e).__name__}: {e})")
         finally:
+            self.capture_seconds += time.perf_counter() - start
             vars(m).pop('forward', None)
             with torch.no_grad():
                 for b,v in saved: b.copy_(v)

@@ -10,7 +10,7 @@ __all__ = ['n_batches', 'shard_sizes', 'batches_per_rank', 'interleaved_order', 
            'to_device_async']
 
 # %% ../nbs/04_epoch.ipynb #42a6f309
-import base64, functools, os
+import base64, functools, os, time
 from collections import deque
 from contextlib import contextmanager
 import numpy as np
@@ -152,6 +152,7 @@ class PipelineSource:
         self.names = names
         self.it,self.key,self.builds,self.order_seed,self.resume = None,None,0,None,None
         self.epoch = None  # the epoch being read from `it`
+        self.build_seconds = 0. # seconds its builds took: DALI's `Pipeline.build` (with the JPEG decoder's start), and the graph's making
 
     def iterator(self, key, # what the pipeline is built for (e.g. recipe and shard): another key rebuilds it
                  make, # `make(seed, order_seed, checkpoint)` → a DALI `Pipeline` whose reader is named 'Reader' (not kept: no cycle)
@@ -172,7 +173,10 @@ class PipelineSource:
         policy = LastBatchPolicy.DROP if drop_last else LastBatchPolicy.PARTIAL
         # seeds of its own per build, so a rebuilt loader does not replay the first epoch (or the one `load` left)
         # the old pipeline is freed only once the new one is built: a decoder alive meanwhile spares the JPEG decoder's start
-        self.it,self.key,self.epoch = self._wrap(make(derived_seed(seed, build, *stream), order_seed, checkpoint), policy),key,None
+        start = time.perf_counter()
+        it = self._wrap(make(derived_seed(seed, build, *stream), order_seed, checkpoint), policy)
+        self.build_seconds += time.perf_counter() - start
+        self.it,self.key,self.epoch = it,key,None
         return self.it
 
     def _wrap(self, pipe, policy)->DALIGenericIterator:

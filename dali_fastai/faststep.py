@@ -157,6 +157,7 @@ class FastStep(Callback):
         store_attr('graph,channels_last,fused,device_metrics,freeze_gc')
         self._warned,self.capture,self._saved = set(),None,None # `validate` and `get_preds` may come before any fit
         self.verdicts = {} # `graph='auto'`: each race's winner, for the fits after it (`StepRace.recall`)
+        self._captured = 0. # the seconds of the fits' captures whose graphs are gone
 
     def _warn(self, msg):
         if msg not in self._warned: self._warned.add(msg); warnings.warn(msg, stacklevel=2)
@@ -195,8 +196,18 @@ class FastStep(Callback):
         host_losses(rec)
         self.learn.remove_cbs(L(cb for cb in self.learn.cbs if isinstance(cb, HostSmoothLoss)))
 
+    @property
+    def capture_seconds(self)->float:
+        "Seconds this callback's fits spent capturing CUDA graphs (`GraphCapture.capture_seconds`), the fit under way's included"
+        return self._captured + (self.capture.capture_seconds if self.capture else 0.)
+    def _let_capture_go(self):
+        "The fit's graphs let go, the seconds their capture took kept"
+        if self.capture: self.capture.release(); self._captured += self.capture.capture_seconds
+        self.capture = None
+
     def before_fit(self):
         self._host_metrics() # a fit that stopped on an exception left them swapped
+        self._let_capture_go() # and its graphs
         self._optimizer()
         self._memory_format()
         finding = any(isinstance(cb, LRFinder) for cb in self.learn.cbs)  # lr_find reads the loss every batch anyway
@@ -227,8 +238,7 @@ class FastStep(Callback):
     def _restart_race(self):
         if self.capture.race: self.capture.race.restart()
     def after_fit(self):
-        if self.capture: self.capture.release()
-        self.capture = None
+        self._let_capture_go()
         self._host_metrics()
         GCFreeze.stop()
 
