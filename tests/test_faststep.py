@@ -365,6 +365,24 @@ def test_auto_on_the_cpu_says_nothing_and_a_wrong_graph_is_refused(dls, tmp_path
     with pytest.raises(ValueError, match="'auto'"): FastStep(graph='yes')
 
 
+def test_capture_seconds_add_up_over_the_fits(tmp_path):
+    """`FastStep.capture_seconds` (what `start_costs` reads): 0 on the CPU, where nothing is captured; then each fit's
+    `GraphCapture.capture_seconds`, counted while the fit runs and kept after it lets its graphs go"""
+    from fastai.callback.core import Callback
+    fs,seen = FastStep(graph=True),[]
+    learn = learner(make_dls(), tmp_path, fast=False, cbs=[fs])
+    def fit():
+        with quiet(learn), warnings.catch_warnings(): warnings.simplefilter('ignore'); learn.fit(1, 1e-2)
+    fit()
+    assert fs.capture_seconds == 0
+    class Captured(Callback):  # what a capture at the fit's first batch adds to the fit's `GraphCapture` (none runs on the CPU)
+        order = FastStep.order + 1
+        def before_train(self): fs.capture.capture_seconds += 1.5; seen.append(fs.capture_seconds)
+    learn.add_cb(Captured())
+    fit(); assert (seen, fs.capture_seconds) == ([1.5], 1.5)
+    fit(); assert (seen, fs.capture_seconds) == ([1.5, 3.], 3.)
+
+
 class _Rigged(StepRace):
     "A race whose clock says what the test wants: `eager` and `graph` seconds for their stretches"
     def __init__(self, eager, graph):

@@ -1,4 +1,4 @@
-"A fastai user's session on DALI's loaders builds each pipeline once: what `Pipeline.build` is asked for, phase by phase (issue 39's counts, on the CPU)"
+"A fastai user's session on DALI's loaders builds each pipeline once: what `Pipeline.build` is asked for, phase by phase, and the seconds `start_costs` counts for it (issue 39's counts, on the CPU)"
 import warnings
 from pathlib import Path
 from unittest.mock import patch
@@ -14,6 +14,7 @@ from fastai.metrics import accuracy
 from torchvision.models import resnet18
 from dali_fastai.data import DaliDataLoaders
 from dali_fastai.datasets import fashion_mnist
+from dali_fastai.sessionbench import start_costs
 
 
 def _small(dest:Path)->Path:
@@ -50,17 +51,25 @@ def test_a_session_builds_each_pipeline_once(tmp_path):
     with Builds() as b:
         dls = DaliDataLoaders.from_dblock(db, path, bs=8, device='cpu', seed=0, drain_limit=100)  # lr_find leaves few batches whatever fastai counts: they are read, not built anew
         learn = vision_learner(dls, resnet18, pretrained=False, metrics=accuracy)
-        counts = {}
+        counts,secs = {},{}
+        def seen(k): counts[k],secs[k] = b.n,start_costs(learn)['pipeline builds']  # the builds so far and their seconds
+        seen('learner')
         with learn.no_bar(), learn.no_logging():
-            learn.lr_find(num_it=10, show_plot=False); counts['lr_find'] = b.n
-            learn.fine_tune(1); counts['fine_tune'] = b.n
-            preds,targs = learn.get_preds(); counts['get_preds'] = b.n
-            first = learn.predict(files[0]); counts['first predict'] = b.n
-            later = [learn.predict(f) for f in files]; counts['later predicts'] = b.n
-            learn.fit(1); counts['another fit'] = b.n
-            learn.predict(files[0]); learn.get_preds(); counts['after it'] = b.n
-    assert counts == {'lr_find': 1, 'fine_tune': 2, 'get_preds': 2, 'first predict': 2, 'later predicts': 2, 'another fit': 2,
-                      'after it': 2}, counts
+            learn.lr_find(num_it=10, show_plot=False); seen('lr_find')
+            learn.fine_tune(1); seen('fine_tune')
+            preds,targs = learn.get_preds(); seen('get_preds')
+            first = learn.predict(files[0]); seen('first predict')
+            later = [learn.predict(f) for f in files]; seen('later predicts')
+            learn.fit(1); seen('another fit')
+            learn.predict(files[0]); learn.get_preds(); seen('after it')
+    assert counts == {'learner': 0, 'lr_find': 1, 'fine_tune': 2, 'get_preds': 2, 'first predict': 2, 'later predicts': 2,
+                      'another fit': 2, 'after it': 2}, counts
+    phases = list(counts)
+    built = {k: secs[k] > secs[j] for j,k in zip(phases, phases[1:])}
+    assert built == {k: counts[k] > counts[j] for j,k in zip(phases, phases[1:])} == {
+        'lr_find': True, 'fine_tune': True, 'get_preds': False, 'first predict': False, 'later predicts': False,
+        'another fit': False, 'after it': False}, (built, secs)  # seconds of builds in exactly the phases that built a pipeline
+    assert secs['learner'] == 0 and start_costs(learn)['graph capture'] is None  # nothing built yet; no FastStep, no capture
     assert len(targs) == 30 and preds.shape == (30, 10)
     assert first[0] == later[0][0]  # the same file, the same prediction through the shared pipeline
     i = [str(f) for f in dls.valid.items.files].index(str(files[0]))
