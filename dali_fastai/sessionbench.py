@@ -165,8 +165,8 @@ def _total(costs:list, f=sum)->dict:
     "Each cost of `costs` (`spent_between`'s) summed, or `f` of them: None where one is None"
     return {k: None if any(c[k] is None for c in costs) else f([c[k] for c in costs]) for k in _COSTS}
 
-def _where(r:dict)->dict:
-    "A session's seconds by phase and by fit (all, each start cost, the rest), and each fit's first epoch less its costs"
+def _where(r:dict)->tuple:
+    "A session's phases and fits, each split into its seconds ('all'), each start cost and the rest; each fit's first epoch less its costs, and its later ones"
     sp,ps,fits = r['spent'],r['predicts'],r['fits']
     rows = {'lr_find': (r['phases']['lr_find'], sp['lr_find'])}
     rows.update({f"fine_tune's fit {i+1}": (sum(f), _total(c)) for i,(f,c) in enumerate(zip(fits, r['fit_spent']))})
@@ -174,22 +174,24 @@ def _where(r:dict)->dict:
     if ps: rows['first predict'] = (ps[0], sp['predicts'][0])
     if len(ps) > 1: rows['later predicts'] = (statistics.median(ps[1:]), _total(sp['predicts'][1:], statistics.median))
     known = lambda c: [c[k] for k in _COSTS if c[k] is not None]
-    res = {k: {'all': s, **c, 'the rest': s - sum(known(c)) if known(c) else None} for k,(s,c) in rows.items()}
-    for i,(f,c) in enumerate(zip(fits, r['fit_spent'])):
-        res[f'first epoch {i+1}'] = {'less': f[0] - sum(known(c[0])) if known(c[0]) else None,
-                                     'later': statistics.median(f[1:]) if len(f) > 1 else None}
-    return res
+    less = lambda s, c: s - sum(known(c)) if known(c) else None  # None: nothing counted, so nothing to take away
+    firsts = [(less(f[0], c[0]), statistics.median(f[1:]) if len(f) > 1 else None) for f,c in zip(fits, r['fit_spent'])]
+    return {k: {'all': s, **c, 'the rest': less(s, c)} for k,(s,c) in rows.items()},firsts
+
+def _med(xs)->float|None:
+    "The median of the values that are not None; None if all are"
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
 
 def _where_lines(v:str, rs:list)->list:
     "The 'where the time went' block of variant `v`: each cell the median over its sessions"
     ws = [_where(r) for r in rs if 'error' not in r and 'spent' in r]
-    med = lambda k, c: statistics.median(xs) if (xs := [w[k][c] for w in ws if k in w and w[k][c] is not None]) else None
+    if all(row[k] is None for rows,_ in ws for row in rows.values() for k in _COSTS): return [f"{v}, where the time went: -"]
     cell = lambda x: '-' if x is None else f"{x:.2f}"
-    if not ws or all(med(k, c) is None for k in ws[0] for c in _COSTS if c in ws[0][k]): return [f"{v}, where the time went: -"]
     cols = ('all', *_COSTS, 'the rest')
     lines = [f"{v}, where the time went (s):", f"  {'':<20}" + ''.join(f"{c:>17}" for c in cols)]
-    lines += [f"  {k:<20}" + ''.join(f"{cell(med(k, c)):>17}" for c in cols) for k in ws[0] if not k.startswith('first epoch')]
-    firsts = [(med(k, 'less'), med(k, 'later')) for k in ws[0] if k.startswith('first epoch')]
+    lines += [f"  {k:<20}" + ''.join(f"{cell(_med(rows[k][c] for rows,_ in ws)):>17}" for c in cols) for k in ws[0][0]]
+    firsts = [(_med(f[i][0] for _,f in ws), _med(f[i][1] for _,f in ws)) for i in range(len(ws[0][1]))]
     lines.append("  each fit's first epoch less its builds and captures: " +
                  ', '.join(f"{cell(a)} s" + (f" vs {b:.2f} s later" if b is not None else '') for a,b in firsts))
     return lines
