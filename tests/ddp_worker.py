@@ -3,10 +3,14 @@
 Run by tests/test_distributed.py on the CPU (gloo):  python -m torch.distributed.run --nproc_per_node 2 tests/ddp_worker.py OUT
 (and as two "nodes" of two processes: --nnodes 2 --node_rank 0|1 --master_addr 127.0.0.1, then --check OUT 4)
 On GPUs:  torchrun --nproc_per_node 2 tests/ddp_worker.py OUT --device gpu && python tests/ddp_worker.py --check OUT
-`--fast-step` trains with `FastStep()`: the same checks hold (the metrics gathered across ranks on the device); `--graph`
-with `FastStep(graph=True)` (captured on a GPU; on the CPU it says why not, once, and trains uncaptured). Every rank
+`--fast-step` trains with `FastStep()` (on GPUs it races the captured step against the uncaptured one and keeps the
+faster, every rank alike): the same checks hold (the metrics gathered across ranks on the device); `--eager` with
+`FastStep(graph=False)`; `--graph` with `FastStep(graph=True)` (captured on a GPU; on the CPU it says why not, once, and
+trains uncaptured). Every rank
 writes the sum of its weights after the fit: equal on every rank only if DDP averaged every step's gradients.
-On GPUs with the graph:  torchrun --nproc_per_node 2 tests/ddp_worker.py OUT --device gpu --graph && python tests/ddp_worker.py --check OUT"""
+On GPUs with the graph:  torchrun --nproc_per_node 2 tests/ddp_worker.py OUT --device gpu --graph && python tests/ddp_worker.py --check OUT
+On 4 GPUs, batches enough for FastStep()'s race:  torchrun --nproc_per_node 4 tests/ddp_worker.py OUT --device gpu --fast-step
+--n-train 231 --bs 2 && python tests/ddp_worker.py --check OUT 4 231 2   (the images are indexed 0..255: n-train + n-valid <= 256)"""
 import argparse, faulthandler, json, math, os, sys, time
 from pathlib import Path
 
@@ -35,14 +39,16 @@ class Record(Callback):
     def after_train(self):
         "What `FastStep(graph=True)` captured (read before its `after_fit` lets the graphs go)"
         cap = next((cb.capture for cb in self.learn.cbs if isinstance(cb, FastStep) and cb.capture), None)
-        self.graphs = None if cap is None else dict(n=len(cap.graphs), failed=cap.failed)
+        self.graphs = None if cap is None else dict(n=len(cap.graphs), failed=cap.failed, race=cap.race and cap.race.winner)
 
 
 def main():
     p = argparse.ArgumentParser()
     p.add_argument('out'); p.add_argument('--device', default='cpu'); p.add_argument('--n-train', type=int, default=61)
     p.add_argument('--n-valid', type=int, default=23); p.add_argument('--bs', type=int, default=4)
-    p.add_argument('--fast-step', action='store_true', help="train with FastStep (fused optimizer, metrics on the device)")
+    p.add_argument('--fast-step', action='store_true', help="train with FastStep() (fused optimizer, metrics on the device, "
+                   "captured where the race finds it faster)")
+    p.add_argument('--eager', action='store_true', help="train with FastStep(graph=False): never captured")
     p.add_argument('--graph', action='store_true', help="train with FastStep(graph=True): forward and backward as CUDA graphs")
     p.add_argument('--seed', type=int, default=None, help="the training loader's seed (default: rank 0 draws one)")
     a = p.parse_args()
@@ -60,7 +66,7 @@ def main():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), nn.Linear(3*8*8, MAX_INDEX))
     rec = Record()
-    fast = [FastStep(graph=a.graph)] if a.fast_step or a.graph else []
+    fast = [FastStep(graph=True if a.graph else False if a.eager else 'auto')] if a.fast_step or a.graph or a.eager else []
     learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), metrics=accuracy, cbs=[DaliDistributed(), rec, *fast])
     kw = dict(sync_bn=False, cpu=True) if a.device == 'cpu' else {}
     with learn.distrib_ctx(**kw):
@@ -115,5 +121,7 @@ def check(out:Path, n_train:int=61, n_valid:int=23, bs:int=4, world:int=2)->str:
 
 
 if __name__ == '__main__':
-    if sys.argv[1:2] == ['--check']: print(check(Path(sys.argv[2]), world=int(sys.argv[3]) if len(sys.argv) > 3 else 2))
+    if sys.argv[1:2] == ['--check']:
+        print(check(Path(sys.argv[2]), world=int(sys.argv[3]) if len(sys.argv) > 3 else 2,
+                    n_train=int(sys.argv[4]) if len(sys.argv) > 4 else 61, bs=int(sys.argv[5]) if len(sys.argv) > 5 else 4))
     else: main()

@@ -27,11 +27,11 @@ from dali_fastai.faststep import FastStep
 HERE = Path(__file__).parent
 
 
-def _torchrun(tmp_path, *args, device='cpu')->subprocess.CompletedProcess:
-    "`ddp_worker.py` on 2 processes through torchrun; fails the test unless both end well"
+def _torchrun(tmp_path, *args, device='cpu', nproc:int=2)->subprocess.CompletedProcess:
+    "`ddp_worker.py` on `nproc` processes through torchrun; fails the test unless every one ends well"
     pytest.importorskip('accelerate', reason="fastai's distrib_ctx needs accelerate (a dev dependency)")
     with socket.socket() as s: s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]
-    cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', '2', '--master_port', str(port),
+    cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', str(nproc), '--master_port', str(port),
            str(HERE/'ddp_worker.py'), str(tmp_path), '--device', device, *args]
     path = os.pathsep.join([str(HERE.parent), *filter(None, [os.environ.get('PYTHONPATH')])])  # this checkout's package first
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONPATH': path})
@@ -39,7 +39,7 @@ def _torchrun(tmp_path, *args, device='cpu')->subprocess.CompletedProcess:
     return r
 
 
-def _ranks(tmp_path, key:str)->list: return [json.loads((tmp_path/f'rank{i}.json').read_text())[key] for i in range(2)]
+def _ranks(tmp_path, key:str, world:int=2)->list: return [json.loads((tmp_path/f'rank{i}.json').read_text())[key] for i in range(world)]
 
 
 def test_two_processes_with_fast_step(tmp_path):
@@ -60,20 +60,35 @@ def test_graph_on_the_cpu_says_why_once_and_trains(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="FastStep(graph=True) under DDP: needs 2 GPUs (the lead's GPU machine)")
-def test_graph_under_ddp_on_two_gpus(tmp_path):
-    "On 2 GPUs (NCCL): captured on every rank, no fallback message; every item once an epoch, whole-set metrics, the same weights on both ranks"
-    r = _torchrun(tmp_path, '--graph', device='gpu')
-    print(ddp_worker.check(tmp_path))
+@pytest.mark.parametrize('world', [2, 4])
+def test_graph_under_ddp_on_gpus(tmp_path, world):
+    "On 2 and 4 GPUs (NCCL): captured on every rank, no fallback message; every item once an epoch, whole-set metrics, the same weights on every rank"
+    if torch.cuda.device_count() < world: pytest.skip(f"FastStep(graph=True) under DDP on {world} GPUs: this machine has {torch.cuda.device_count()}")
+    r = _torchrun(tmp_path, '--graph', device='gpu', nproc=world)
+    print(ddp_worker.check(tmp_path, world=world))
     assert 'FastStep(graph=True):' not in r.stderr, r.stderr[-3000:]
-    assert all(g['n'] >= 1 and g['failed'] is None for g in _ranks(tmp_path, 'graphs')), _ranks(tmp_path, 'graphs')
+    assert all(g['n'] >= 1 and g['failed'] is None for g in _ranks(tmp_path, 'graphs', world)), _ranks(tmp_path, 'graphs', world)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize('world', [2, 4])
+def test_fast_step_races_alike_on_every_rank(tmp_path, world):
+    "`FastStep()` under DDP on 2 and 4 GPUs: every rank's race chooses alike (the slowest rank's times), and training stays exactly-once with whole-set metrics"
+    if torch.cuda.device_count() < world: pytest.skip(f"FastStep()'s race under DDP on {world} GPUs: this machine has {torch.cuda.device_count()}")
+    # 231 items at bs 2: 28 or more batches a rank an epoch, enough for the race (3 untimed, 8 each way, the capture between)
+    r = _torchrun(tmp_path, '--fast-step', '--n-train', '231', '--bs', '2', device='gpu', nproc=world)
+    print(ddp_worker.check(tmp_path, world=world, n_train=231, bs=2))
+    graphs = _ranks(tmp_path, 'graphs', world)
+    assert len({g['race'] for g in graphs}) == 1 and graphs[0]['race'] in ('graph', 'eager'), graphs
+    assert all((g['n'] >= 1) == (g['race'] == 'graph') for g in graphs), graphs
+    assert "FastStep (graph='auto')" not in r.stderr, r.stderr[-3000:]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="FastStep(graph=True) under DDP: needs 2 GPUs (the lead's GPU machine)")
 def test_graph_and_eager_train_alike_under_ddp(tmp_path):
     "The captured and the uncaptured fast step, same seeds (model and loader), 2 GPUs: the same validation loss and accuracy after 2 epochs, float rounding apart"
-    runs = [_torchrun(tmp_path/'eager', '--fast-step', '--seed', '3', device='gpu'),
+    runs = [_torchrun(tmp_path/'eager', '--eager', '--seed', '3', device='gpu'),
             _torchrun(tmp_path/'graph', '--graph', '--seed', '3', device='gpu')]
     # DaliDistributed made the AccumulateGrad nodes DDP keeps on the step's stream: no backward waits across streams
     assert not any("AccumulateGrad node's stream" in r.stderr for r in runs), runs[0].stderr[-3000:]
@@ -208,7 +223,8 @@ def test_ddp_bench_has_a_graph_row_and_scales_to_every_count(tmp_path, monkeypat
     "`--compare N`: every case on 1, 2, 4 ... N GPUs, kept as it goes, one table with a ratio per count; the graph is a row"
     from helpers import load_tool
     ddp = load_tool('ddp_bench')
-    assert ('--fast-step', '--graph') in [tuple(extra) for _,extra in ddp.CASES]
+    extras = [tuple(extra) for _,extra in ddp.CASES]
+    assert {('--fast-step', '--graph'), ('--fast-step', '--auto'), ('--synthetic', '--fastai-model', '--graph')} <= set(extras)
     assert [ddp.gpu_counts(n) for n in (1, 2, 4, 6)] == [[1], [1, 2], [1, 2, 4], [1, 2, 4, 6]]
     assert ddp.n_per_class_for(9000, 4)*0.8*len(ddp.BENCH_PHOTOS)/4 >= 9000 and ddp.n_per_class_for(10, 1) == 2000
     runs = []
@@ -218,5 +234,8 @@ def test_ddp_bench_has_a_graph_row_and_scales_to_every_count(tmp_path, monkeypat
     assert len(runs) == 2*len(ddp.CASES) - 1, "sync_bn on one GPU is the row before it"
     ddp.compare([1, 2], ['--bs', '8'], 8, out)
     assert len(runs) == 2*len(ddp.CASES) - 1, "a second run skips the cases kept in --out"
+    runs.clear(); ddp.compare([1, 4], ['--bs', '8'], 8, tmp_path/'some.json', cases=[2, 10])
+    assert runs == [(1, ('--bs', '8', '--synthetic')), (4, ('--bs', '8', '--synthetic')), (1, ('--bs', '8', '--sync-bn')),
+                    (4, ('--bs', '8', '--sync-bn'))], "only the cases asked for; sync_bn on one GPU runs when the row above did not"
     t = ddp.table(json.loads(out.read_text()), [1, 2], 8)
     assert '| 1 GPU | 2 GPUs | 2 vs 1 |' in t and '| fastai + dali_fastai + FastStep(graph=True), `distrib_ctx(sync_bn=False)` | 100 | 200 | 2.00x |' in t

@@ -167,3 +167,14 @@ def test_adapter_overhead_times_the_loader_over_dalis_batches(tmp_path):
     assert len(ours) == len(dl) == 5  # the replay's epoch, as DALI's
     assert all(torch.equal(x, b[0]['images']) for (x,_),b in zip(ours, bare.batches[1:] + bare.batches[:1]))  # its batches, in its order
     assert tool.cycles(dl, n=20)[0] == 0
+
+
+def test_gpus_accuracy_reads_the_line_train_prints(tmp_path, capsys):
+    "tools/gpus_accuracy.py compares `dali-fastai train`'s final accuracy and loss: its pattern must read the line `train` prints"
+    from test_cli import image_folder
+    from dali_fastai.cli import main
+    main(['train', str(image_folder(tmp_path)), '--epochs', '1', '--size', '16', '--bs', '4', '--device', 'cpu', '--seed', '0'])
+    out = capsys.readouterr().out
+    m = load_tool('gpus_accuracy').DONE.search(out)
+    assert m is not None, out
+    assert 0 <= float(m['acc']) <= 1 and float(m['loss']) > 0

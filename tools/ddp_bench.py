@@ -13,13 +13,17 @@ from fastai's loop: `--plain-dali` runs that plain loop on this rank's shard of 
 to training, without fastai), and `--fastai-model` gives either plain loop the model `vision_learner` trains (the
 resnet50 body with fastai's head) instead of torchvision's resnet50 (the model's cost). For the fastai cases,
 `--no-bar` fits without fastai's progress bar (which reads the loss with `.item()` every batch), `--fused-adamw`
-with PyTorch's fused AdamW instead of fastai's Adam, and `--fast-step` with dali_fastai's `FastStep` callback, `--graph` with `FastStep(graph=True)` (forward and backward as
-CUDA graphs; DDP's all-reduce runs from its hooks as the replayed backward hands over the gradients). `--compare`
+with PyTorch's fused AdamW instead of fastai's Adam, and `--fast-step` with dali_fastai's `FastStep(graph=False)` callback, `--graph` with `FastStep(graph=True)` (forward and backward as
+CUDA graphs; DDP's all-reduce runs from its hooks as the replayed backward hands over the gradients), `--auto` with
+`FastStep()`, whose race keeps the captured step where it is faster. `--synthetic --graph` captures the plain loop's
+model the same way: the ceiling of a captured step on this host. `--compare`
 keeps each case's img/s in `--out` (JSON) as it goes and skips those already there, so a run cut short goes on where
-it stopped when started again (`--fresh` starts over); it makes the image set large enough that each rank trains on
+it stopped when started again (`--fresh` starts over, `--cases 1,3` runs only those rows); it makes the image set large enough that each rank trains on
 about `--images-per-rank` images an epoch on the most GPUs (an epoch of several seconds). Every img/s is the steady
 pace of the epochs after the first (a fit's start is not in it). The numbers of 2026-11-27 are in
-nbs/images/ddp_h200x2_20261127b.txt (those of 2026-11-24 in ddp_h200x2.txt) and the distributed notebook's "Throughput"."""
+nbs/images/ddp_h200x4_20261127.txt (4 H200s) and ddp_h200x2_20261127b.txt (2 H200s; those of 2026-11-24 in
+ddp_h200x2.txt), and the distributed notebook's "Throughput". The `--synthetic --graph` and `--auto` rows have not run on
+GPUs yet."""
 import argparse, contextlib, json, math, os, subprocess, sys, tempfile, time
 from functools import partial
 from pathlib import Path
@@ -62,7 +66,8 @@ def loader_epochs(dl, epochs:int)->list:
 
 
 def fit_epochs(dls, epochs:int, world:int, sync_bn:bool, bar:bool=True, fused:bool=False, fast_step:bool=False,
-               graph:bool=False)->list:
+               graph:bool|str=False, # `FastStep(graph=...)`: True, False, or 'auto' (its default: captured where faster)
+              )->list:
     "Wall time of the training phase of each of `epochs` epochs of a resnet50 (bf16, channels_last) fit"
     timer = EpochTimer()
     kw = dict(opt_func=partial(OptimWrapper, opt=torch.optim.AdamW, fused=True)) if fused else {}
@@ -86,6 +91,7 @@ def plain_model(fastai_model:bool, c:int=10):
 def plain_epochs(epochs:int, batches, # `batches()`: one epoch's (x, y) batches, on this rank's GPU
                  world:int, fastai_model:bool,
                  loader_stream:bool=False, # the batches come from a DALI loader, which runs the step on `priority_stream`
+                 graph:bool=False, # the module's forward and backward captured as CUDA graphs, as `FastStep(graph=True)` does
                 )->list:
     "Wall time of `epochs` epochs of resnet50 steps (bf16 autocast, channels_last, Adam) in a plain PyTorch (DDP) loop"
     dev = torch.device('cuda', torch.cuda.current_device())
@@ -94,16 +100,22 @@ def plain_epochs(epochs:int, batches, # `batches()`: one epoch's (x, y) batches,
         torch.distributed.init_process_group('nccl', device_id=dev)
         # DDP built on the stream the loop's steps run on: it keeps the parameters' AccumulateGrad nodes, made on the stream
         # it is built on, and a backward on another stream waits across streams for each (the distributed notebook says more)
-        with priority_stream(dev, on=loader_stream): model = DistributedDataParallel(model, device_ids=[dev.index])
+        # (a capture runs on a stream of its own: the captured loop runs on the loader's stream too)
+        with priority_stream(dev, on=loader_stream or graph): model = DistributedDataParallel(model, device_ids=[dev.index])
     opt = torch.optim.Adam(model.parameters(), 1e-3)
-    times = []
-    for _ in range(epochs):
-        torch.cuda.synchronize(); start = time.perf_counter()
-        for x,y in batches():
-            x = x.as_subclass(torch.Tensor).contiguous(memory_format=torch.channels_last)
-            with torch.autocast('cuda', dtype=torch.bfloat16): loss = F.cross_entropy(model(x), y.as_subclass(torch.Tensor))
-            opt.zero_grad(); loss.backward(); opt.step()
-        torch.cuda.synchronize(); times.append(time.perf_counter() - start)
+    inner = model.module if world > 1 else model
+    times,steps = [],0
+    with priority_stream(dev, on=graph):
+        for _ in range(epochs):
+            torch.cuda.synchronize(); start = time.perf_counter()
+            for x,y in batches():
+                x = x.as_subclass(torch.Tensor).contiguous(memory_format=torch.channels_last)
+                # autocast's cache off: a graph cannot hold it (as `GraphCapture` captures)
+                with torch.autocast('cuda', dtype=torch.bfloat16, cache_enabled=not graph):
+                    if graph and steps == 3: torch.cuda.make_graphed_callables(inner, (x,), allow_unused_input=True)
+                    loss = F.cross_entropy(model(x), y.as_subclass(torch.Tensor))
+                opt.zero_grad(); loss.backward(); opt.step(); steps += 1
+            torch.cuda.synchronize(); times.append(time.perf_counter() - start)
     if world > 1: torch.distributed.destroy_process_group()
     return times
 
@@ -118,9 +130,11 @@ def synthetic_batches(n_batches:int, bs:int, size:int):
 CASES = [('the sharded loader alone', ['--loader-only']),
          ('plain PyTorch DDP, a random batch kept on the GPU', ['--synthetic']),
          ("plain PyTorch DDP, a random batch, fastai's model", ['--synthetic', '--fastai-model']),
+         ("plain PyTorch DDP, a random batch, fastai's model, captured", ['--synthetic', '--fastai-model', '--graph']),
          ("plain PyTorch DDP fed by dali_fastai, fastai's model", ['--plain-dali', '--fastai-model']),
-         ('fastai + dali_fastai + FastStep, `distrib_ctx(sync_bn=False)`', ['--fast-step']),
+         ('fastai + dali_fastai + FastStep(graph=False), `distrib_ctx(sync_bn=False)`', ['--fast-step']),
          ('fastai + dali_fastai + FastStep(graph=True), `distrib_ctx(sync_bn=False)`', ['--fast-step', '--graph']),
+         ("fastai + dali_fastai + FastStep(graph='auto') (its default), `distrib_ctx(sync_bn=False)`", ['--fast-step', '--auto']),
          ('fastai + dali_fastai, `distrib_ctx(sync_bn=False)`', []),
          ("fastai + dali_fastai, `distrib_ctx()` (fastai's default `sync_bn=True`)", ['--sync-bn'])]
 
@@ -160,14 +174,18 @@ def table(rows:dict, counts:list, bs:int)->str:
     return '\n'.join(lines)
 
 
-def compare(counts:list, args:list, bs:int, out:Path, fresh:bool=False):
+def compare(counts:list, args:list, bs:int, out:Path, fresh:bool=False,
+            cases:list|None=None, # numbers (1-based) of the cases of `CASES` to run; None: all of them
+           ):
     "Every case of `CASES` on each of `counts` GPUs (with one GPU, sync_bn changes nothing: fastai's BatchNorm stays), kept in `out` as they finish; then one table"
     rows = {} if fresh or not out.exists() else json.loads(out.read_text())
     for i,(name,extra) in enumerate(CASES):
+        if cases and i + 1 not in cases: continue
         for n in counts:
             got = rows.setdefault(name, {})
             if str(n) in got: continue
-            got[str(n)] = rows[CASES[i-1][0]]['1'] if extra == ['--sync-bn'] and n == 1 else run_case(n, args + extra)
+            same = rows.get(CASES[i-1][0], {}).get('1') if extra == ['--sync-bn'] and n == 1 else None  # one GPU: the case above
+            got[str(n)] = same if same is not None else run_case(n, args + extra)
             out.write_text(json.dumps(rows, indent=1))
         print(f"ddp_bench: {i + 1} of {len(CASES)} cases done ({out})", flush=True)  # the numbers so far are in the lines above
     print('\n' + table(rows, counts, bs))
@@ -185,13 +203,17 @@ def main():
     p.add_argument('--no-bar', action='store_true', help="fastai cases: fit without the progress bar (it reads the loss every batch)")
     p.add_argument('--fused-adamw', action='store_true', help="fastai cases: PyTorch's fused AdamW (OptimWrapper) instead of fastai's Adam")
     p.add_argument('--fast-step', action='store_true', help="fastai cases: with dali_fastai's FastStep callback")
-    p.add_argument('--graph', action='store_true', help="fastai cases: with FastStep(graph=True), forward and backward as CUDA graphs")
+    p.add_argument('--graph', action='store_true', help="fastai cases: with FastStep(graph=True), forward and backward as CUDA "
+                   "graphs; --synthetic: the plain loop's model captured so (the ceiling of a captured step)")
+    p.add_argument('--auto', action='store_true', help="fastai cases: with FastStep() (graph='auto'), captured where its race "
+                   "finds the captured step faster; --fast-step alone is FastStep(graph=False)")
     p.add_argument('--compare', default=None, help="run every case on 1, 2, 4, ... GPUs up to this many ('max': all this "
                    "machine has), print one table")
     p.add_argument('--images-per-rank', type=int, default=9000, help="--compare: training images each rank reads an epoch "
                    "on the most GPUs (default: 9000: about 3 s at the 3,000 img/s a GPU of the distributed notebook's tables)")
     p.add_argument('--out', default='ddp_bench.json', help="--compare: the cases' img/s, kept as they finish (default: ddp_bench.json)")
     p.add_argument('--fresh', action='store_true', help="--compare: run every case again, not only those missing from --out")
+    p.add_argument('--cases', default=None, help="--compare: only these cases, by their row in the table, e.g. 1,3,5 (default: all)")
     p.add_argument('--result', default=None, help='rank 0 writes {"img_s": ...} here')
     a = p.parse_args()
     if a.compare:
@@ -199,7 +221,10 @@ def main():
         if a.n_per_class is None and a.path is None: a.n_per_class = n_per_class_for(a.images_per_rank, most)
         keep = [x for k in ('path', 'bs', 'size', 'n_per_class', 'epochs') if getattr(a, k) is not None
                 for x in (f"--{k.replace('_', '-')}", str(getattr(a, k)))]
-        return compare(gpu_counts(most), keep, a.bs, Path(a.out), a.fresh)
+        cases = [int(c) for c in a.cases.split(',')] if a.cases else None
+        if cases and not all(1 <= c <= len(CASES) for c in cases):
+            raise SystemExit(f"--cases {a.cases}: each must be a row of the table, 1 to {len(CASES)}")
+        return compare(gpu_counts(most), keep, a.bs, Path(a.out), a.fresh, cases)
     rank, world = int(os.environ.get('RANK', 0)), int(os.environ.get('WORLD_SIZE', 1))
     torch.cuda.set_device(int(os.environ.get('LOCAL_RANK', 0)))
     path = a.path or bench_images(n_per_class=a.n_per_class or 2000)  # the same folder on every rank (written once, atomically)
@@ -207,17 +232,18 @@ def main():
     n_imgs = len(dls.train.shard(rank, world, seed=0))*a.bs  # a rank's training images an epoch, as the fit shards them
     model = "fastai's resnet50" if a.fastai_model else 'resnet50'
     if a.synthetic:
-        times = plain_epochs(a.epochs, synthetic_batches(n_imgs//a.bs, a.bs, a.size), world, a.fastai_model)
-        what = f'{model} bf16, synthetic data, plain DDP'
+        times = plain_epochs(a.epochs, synthetic_batches(n_imgs//a.bs, a.bs, a.size), world, a.fastai_model, graph=a.graph)
+        what = f"{model} bf16, synthetic data, plain DDP{', captured' if a.graph else ''}"
     elif a.plain_dali:
         dl = dls.train.shard(rank, world, seed=0).to(torch.device('cuda', torch.cuda.current_device()))
         times,what = plain_epochs(a.epochs, lambda: dl, world, a.fastai_model, loader_stream=True),f'{model} bf16, dali_fastai shard, plain DDP'
     elif a.loader_only: times,what = loader_epochs(dls.train, a.epochs),'loader only'
-    else: times,what = (fit_epochs(dls, a.epochs, world, a.sync_bn, bar=not a.no_bar, fused=a.fused_adamw, fast_step=a.fast_step,
-                                   graph=a.graph),
-                        f"resnet50 bf16, fastai + dali_fastai, sync_bn={a.sync_bn}{', no progress bar' if a.no_bar else ''}"
-                        f"{', fused AdamW' if a.fused_adamw else ''}{', FastStep' if a.fast_step or a.graph else ''}"
-                        f"{'(graph=True)' if a.graph else ''}")
+    else:
+        graph = 'auto' if a.auto else a.graph
+        times = fit_epochs(dls, a.epochs, world, a.sync_bn, bar=not a.no_bar, fused=a.fused_adamw, fast_step=a.fast_step or a.auto,
+                           graph=graph)
+        what = (f"resnet50 bf16, fastai + dali_fastai, sync_bn={a.sync_bn}{', no progress bar' if a.no_bar else ''}"
+                f"{', fused AdamW' if a.fused_adamw else ''}{f', FastStep(graph={graph!r})' if a.fast_step or a.graph or a.auto else ''}")
     timed = sum(times[1:])
     img_s = n_imgs*world*(len(times)-1)/timed
     if a.result and rank == 0: Path(a.result).write_text(json.dumps({'img_s': img_s}))
