@@ -183,6 +183,12 @@ MUTANTS = [
                  "graph='auto': a tie keeps the uncaptured step"),
     ('capture', "        if key in verdicts: self.stage,self.winner = 'done',verdicts[key]", "        pass",
                  "graph='auto': a fit takes an earlier fit's winner for the same batches and parameters"),
+    # issue 39: the session bench says where a phase's time went
+    ('epoch', "        self.build_seconds += time.perf_counter() - start", "        pass",
+              "each pipeline build's seconds are counted (start_costs' 'pipeline builds')"),
+    ('faststep', "        return self._captured + (self.capture.capture_seconds if self.capture else 0.)",
+                 "        return self.capture.capture_seconds if self.capture else 0.",
+                 "FastStep.capture_seconds keeps the captures of the fits before"),
 ]
 
 FAST = ['tests/test_defaults.py', 'tests/test_augment_stats.py']
