@@ -57,6 +57,7 @@ class DaliDataLoaders(DataLoaders):
                              "partial batch: use a smaller bs")
         dls = cls(train_dl, valid_dl, path=path, device=train_dl.device)
         valid_dl.fed_by(dls._fed_pipelines)  # validation, `get_preds` and `predict` then read through one pipeline
+        train_dl.fed_by(dls._fed_pipelines)  # not fed (it shuffles), but its `one_batch` (`show_batch`) reads through the pool
         return dls
 
     @classmethod

@@ -185,6 +185,8 @@ class PipelineSource:
                                    prepare_first_batch=False)
 
     def close(self): self.it,self.key,self.epoch = None,None,None
+    @property
+    def reading(self)->bool: return self.epoch is not None and not self.epoch.done and self.epoch.left > 0  # an epoch under way
     def abandon(self, limit:int, # at most this many batches left are read (`default_drain_limit`)
                ):
         "Let go of the epoch being read: drained to its end when at most `limit` batches are left, else the iterator is freed"

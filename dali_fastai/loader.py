@@ -24,7 +24,7 @@ from dali_fastai.items import (ImageItems, usable_items, FULL_CHECK_LIMIT, _is_d
     _decode_failure)
 from .epoch import (n_batches, batches_per_rank, interleaved_order, as_device, dali_device_id,
     priority_stream, DaliEpoch, PipelineSource, derived_seed, _RANK_STREAM, to_device_async, default_drain_limit,
-    _same, _fed_source)
+    _same, _fed_source, FedSource)
 from .pipeline import classification_pipeline, augment, keep_decoder, HW_DECODER_LOAD
 from .recipe import ImageRecipe, geometry_outputs
 # `DaliNormalize` lived here: learners exported before it moved to `translate` name `dali_fastai.loader.DaliNormalize`
@@ -93,6 +93,7 @@ class DaliDataLoader(BatchDisplay):
         self._source = PipelineSource(['images', 'index'] + (['window', 'matrix'] if self._geometric else []) +
                                       [f'side{k}_{n}' for k,t in enumerate(self._sides) for n in t.side_names])
         self._fed,self._epoch_no,self._taken_at_resume,self._peeks = False,0,0,0
+        self._pool,self._keep = None,4  # `fed_by`'s
         self.rank,self.world_size = 0,1
 
     @property
@@ -181,7 +182,9 @@ class DaliDataLoader(BatchDisplay):
     def _iterator(self)->DALIGenericIterator:
         "The DALI iterator for the current split and shard (the order is the same on every rank; augmentation differs)"
         stream,key = () if self.world_size == 1 else (_RANK_STREAM, self.rank),(self.split_idx, self.rank, self.world_size)
-        if self._fed: return self._source.start(self.items.files, self._side_files(), key, self._pipeline, self.seed, stream)
+        if self._fed:
+            self._source = self._pooled()  # its split's: fastai's `tta` reads the items with the training transforms too
+            return self._source.start(self.items.files, self._side_files(), key, self._pipeline, self.seed, stream)
         # sharded: PARTIAL, and the epoch stops every rank at `len(self)` (DALI's DROP repeats padding samples then)
         return self._source.iterator(key, self._pipeline, self.seed, stream, drop_last=self.drop_last and self.world_size == 1)
 
@@ -204,12 +207,19 @@ class DaliDataLoader(BatchDisplay):
                keep:int=4, # at most this many pipelines in `pool`; the oldest goes first
               )->'DaliDataLoader': # this loader
         "Read through a pipeline fed each epoch's files (`FedSource`), the one in `pool` for these settings: one build for every item set"
-        if self.world_size > 1 or self.items.read is not None or self.shuffle: return self  # a shard, records, a new order each epoch: a reader's work
+        self._pool,self._keep = pool,keep  # `one_batch` reads through it too
+        if not self._feedable(): return self
+        self._fed = True
+        self._source = self._pooled()
+        return self
+
+    def _feedable(self)->bool: return self.world_size == 1 and self.items.read is None and not self.shuffle  # else a reader's work
+    def _pooled(self)->FedSource:
+        "The pipeline in `fed_by`'s pool for this loader's settings as they are now (its split included): one a kind of pass"
         # keyed by the outputs too: an unlabelled `test_dl` of a segmentation model reads no masks, so its pipeline gives
         # fewer outputs than the validation loader's, which it cannot share
-        self._fed,me = True,{**self._settings(), 'outputs': tuple(self._source.names)}
-        self._source = _fed_source(pool, me, self._source.names, self.bs, keep)
-        return self
+        me = {**self._settings(), 'outputs': tuple(self._source.names)}
+        return _fed_source(self._pool, me, self._source.names, self.bs, self._keep)
 
     def shard(self, rank:int, # this process's rank, `0 .. world_size-1`
               world_size:int, # number of processes, each reading its own shard
@@ -324,9 +334,20 @@ class DaliDataLoader(BatchDisplay):
         if len(self) == 0: raise ValueError(f"this loader yields no batch: {len(self.items)} items with bs={self.bs}"
                                             + (" and drop_last=True" if self.drop_last else ""))
         self._peeks += 1
+        peek = self._peek() if self._pool is not None else None
+        if peek is not None and not peek._source.reading: return first(peek)  # no build but the first of its kind
         peek = self.new(seed=derived_seed(self.seed, 1 << 30, self._peeks), prefetch=1) # one batch: nothing prepared ahead to wait for at close
         try: return first(peek)
         finally: peek.close()
+
+    def _peek(self)->'DaliDataLoader|None':
+        "One batch of these items (at random if this loader shuffles), fed through the pipeline `fed_by`'s pool keeps for them"
+        n,seed = min(self.bs, len(self.items)),derived_seed(self.seed, 1 << 30, self._peeks)
+        idx = np.random.default_rng(seed).choice(len(self.items), n, replace=False) if self.shuffle else np.arange(n)
+        # a training peek draws augmentation of its own (one seed for all peeks: one pipeline), a validation one reads validation's
+        peek = self.new(items=self.items.subset(idx.tolist()), shuffle=False, drop_last=False,
+                        seed=derived_seed(self.seed, 1 << 30) if self.split_idx == 0 else self.seed)
+        return peek.fed_by(self._pool, self._keep) if peek._feedable() else None
 
     def new(self, **kwargs):
         "A loader like this one, with `kwargs` changed (fastai's `DataLoader.new`)"
@@ -339,6 +360,7 @@ class DaliDataLoader(BatchDisplay):
         # copy draws its augmentation from the start, as a fresh loader with its seed does, so it reads a pipeline of its own
         if (dl.items is self.items and self.split_idx == 1 and not self.shuffle and _same(dl._settings(), self._settings())):
             dl._source,dl._fed = self._source,self._fed
+        dl._pool,dl._keep = self._pool,self._keep  # its `one_batch` and `tta` read through the same pool
         return dl
 
     def to(self, device):
@@ -349,8 +371,10 @@ class DaliDataLoader(BatchDisplay):
         return self
 
     def new_empty(self):
-        "A loader with the same settings and no items: what `Learner.export` pickles"
-        return self.new(items=self.items.subset([]))
+        "A loader with the same settings and no items: what `Learner.export` pickles (without the pool of pipelines)"
+        dl = self.new(items=self.items.subset([]))
+        dl._pool = None
+        return dl
 
     def add_tfms(self, tfms:list, # fastai transforms
                  event:str='after_batch', # only 'after_batch': DALI does everything before it

@@ -42,7 +42,7 @@ class Builds:
 
 @pytest.mark.timeout(900)
 def test_a_session_builds_each_pipeline_once(tmp_path):
-    "loaders, lr_find, fine_tune, get_preds, predicts, another fit, more predicts: the training and validation pipelines, and no more"
+    "loaders, lr_find, fine_tune, get_preds, predicts, another fit, more predicts: the training and validation pipelines, and no more; tta one more, at its first call"
     warnings.filterwarnings('ignore')
     path = _small(tmp_path)
     db = DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=get_image_files, get_y=parent_label,
@@ -62,15 +62,40 @@ def test_a_session_builds_each_pipeline_once(tmp_path):
             later = [learn.predict(f) for f in files]; seen('later predicts')
             learn.fit(1); seen('another fit')
             learn.predict(files[0]); learn.get_preds(); seen('after it')
+            learn.tta(n=2); seen('tta')  # the validation items through the training transforms: a pipeline of their own
+            learn.tta(n=2); learn.tta(dl=dls.test_dl(files), n=2); seen('later ttas')  # kept, for test_dl's items too
+            learn.get_preds(); seen('get_preds after')
     assert counts == {'learner': 0, 'lr_find': 1, 'fine_tune': 2, 'get_preds': 2, 'first predict': 2, 'later predicts': 2,
-                      'another fit': 2, 'after it': 2}, counts
+                      'another fit': 2, 'after it': 2, 'tta': 3, 'later ttas': 3, 'get_preds after': 3}, counts
     phases = list(counts)
     built = {k: secs[k] > secs[j] for j,k in zip(phases, phases[1:])}
     assert built == {k: counts[k] > counts[j] for j,k in zip(phases, phases[1:])} == {
         'lr_find': True, 'fine_tune': True, 'get_preds': False, 'first predict': False, 'later predicts': False,
-        'another fit': False, 'after it': False}, (built, secs)  # seconds of builds in exactly the phases that built a pipeline
+        'another fit': False, 'after it': False, 'tta': True, 'later ttas': False, 'get_preds after': False}, (built, secs)  # seconds of builds in exactly the phases that built a pipeline
     assert secs['learner'] == 0 and start_costs(learn)['graph capture'] is None  # nothing built yet; no FastStep, no capture
     assert len(targs) == 30 and preds.shape == (30, 10)
     assert first[0] == later[0][0]  # the same file, the same prediction through the shared pipeline
     i = [str(f) for f in dls.valid.items.files].index(str(files[0]))
     assert (preds[i] - later[0][2]).abs().max() < 1e-4, "predict and get_preds read the same file alike"
+
+
+@pytest.mark.timeout(600)
+def test_show_batch_and_show_results_build_no_pipeline_of_their_own(tmp_path):
+    "A shown batch reads through the pool of fed pipelines: the training loader's peeks build one pipeline at the first and none after, the validation loader's none but validation's own, `show_results` none"
+    import matplotlib; matplotlib.use('Agg')
+    warnings.filterwarnings('ignore')
+    path = _small(tmp_path)
+    db = DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=get_image_files, get_y=parent_label,
+                   splitter=GrandparentSplitter(valid_name='valid'), item_tfms=Resize(28))
+    dls = DaliDataLoaders.from_dblock(db, path, bs=8, device='cpu', seed=0)
+    learn = vision_learner(dls, resnet18, pretrained=False, metrics=accuracy)
+    counts = {}
+    with Builds() as b:
+        a,c = dls.one_batch(),dls.one_batch(); counts['two training peeks'] = b.n
+        dls.valid.show_batch(); counts['a validation peek'] = b.n
+        with learn.no_bar(), learn.no_logging(): learn.fit(1)
+        counts['fit'] = b.n
+        learn.show_results(); learn.show_results(); counts['show_results'] = b.n
+    assert counts == {'two training peeks': 1, 'a validation peek': 2, 'fit': 3, 'show_results': 3}, counts
+    assert not (a[0] == c[0]).all(), "each peek is a batch of its own: other items, other draws"
+    assert a[0].shape == (8, 3, 28, 28) and len(a[1]) == 8

@@ -183,6 +183,10 @@ MUTANTS = [
                  "graph='auto': a tie keeps the uncaptured step"),
     ('capture', "        if key in verdicts: self.stage,self.winner = 'done',verdicts[key]", "        pass",
                  "graph='auto': a fit takes an earlier fit's winner for the same batches and parameters"),
+    ('loader', "            self._source = self._pooled()  # its split's: fastai's `tta` reads the items with the training transforms too",
+               "            pass", "tta's passes through the training transforms keep a pipeline of their own, built once"),
+    ('loader', "        if peek is not None and not peek._source.reading: return first(peek)  # no build but the first of its kind",
+               "        pass", "show_batch and show_results read through the pool of fed pipelines, not a pipeline a call"),
     # issue 39: the session bench says where a phase's time went
     ('epoch', "        self.build_seconds += time.perf_counter() - start", "        pass",
               "each pipeline build's seconds are counted (start_costs' 'pipeline builds')"),
