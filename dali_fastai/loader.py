@@ -208,12 +208,11 @@ class DaliDataLoader(BatchDisplay):
               )->'DaliDataLoader': # this loader
         "Read through a pipeline fed each epoch's files (`FedSource`), the one in `pool` for these settings: one build for every item set"
         self._pool,self._keep = pool,keep  # `one_batch` reads through it too
-        if not self._feedable(): return self
+        if self.world_size > 1 or self.items.read is not None or self.shuffle: return self  # shard, records, new orders: a reader's
         self._fed = True
         self._source = self._pooled()
         return self
 
-    def _feedable(self)->bool: return self.world_size == 1 and self.items.read is None and not self.shuffle  # else a reader's work
     def _pooled(self)->FedSource:
         "The pipeline in `fed_by`'s pool for this loader's settings as they are now (its split included): one a kind of pass"
         # keyed by the outputs too: an unlabelled `test_dl` of a segmentation model reads no masks, so its pipeline gives
@@ -334,7 +333,7 @@ class DaliDataLoader(BatchDisplay):
         if len(self) == 0: raise ValueError(f"this loader yields no batch: {len(self.items)} items with bs={self.bs}"
                                             + (" and drop_last=True" if self.drop_last else ""))
         self._peeks += 1
-        peek = self._peek() if self._pool is not None else None
+        peek = self._peek()
         if peek is not None and not peek._source.reading: return first(peek)  # no build but the first of its kind
         peek = self.new(seed=derived_seed(self.seed, 1 << 30, self._peeks), prefetch=1) # one batch: nothing prepared ahead to wait for at close
         try: return first(peek)
@@ -342,12 +341,13 @@ class DaliDataLoader(BatchDisplay):
 
     def _peek(self)->'DaliDataLoader|None':
         "One batch of these items (at random if this loader shuffles), fed through the pipeline `fed_by`'s pool keeps for them"
+        if self._pool is None or self.world_size > 1 or self.items.read is not None: return None  # shards, records: read
         n,seed = min(self.bs, len(self.items)),derived_seed(self.seed, 1 << 30, self._peeks)
         idx = np.random.default_rng(seed).choice(len(self.items), n, replace=False) if self.shuffle else np.arange(n)
         # a training peek draws augmentation of its own (one seed for all peeks: one pipeline), a validation one reads validation's
         peek = self.new(items=self.items.subset(idx.tolist()), shuffle=False, drop_last=False,
                         seed=derived_seed(self.seed, 1 << 30) if self.split_idx == 0 else self.seed)
-        return peek.fed_by(self._pool, self._keep) if peek._feedable() else None
+        return peek.fed_by(self._pool, self._keep)
 
     def new(self, **kwargs):
         "A loader like this one, with `kwargs` changed (fastai's `DataLoader.new`)"
