@@ -298,15 +298,13 @@ def _fed_source(pool:list, # `(settings, FedSource)` pairs kept by the owner of 
                 settings:dict, # what the pipeline is made from: a loader's settings and outputs
                 names:list, # the pipeline's outputs' names
                 bs:int, # the batch size
-                keep:int=4, # at most this many pipelines in `pool`; the oldest goes first
+                keep:int=4, # at most this many pipelines in `pool`; the one used longest ago goes first
                )->FedSource:
     "The `FedSource` in `pool` for `settings`, made and added to it if there is none: one build for every item set"
-    src = next((s for k,s in pool if _same(k, settings)), None)
-    if src is None:
-        src = FedSource(names, bs)
-        pool.append((settings, src))
-        del pool[:-keep]
-    return src
+    i = next((i for i,(k,_) in enumerate(pool) if _same(k, settings)), None)
+    pool.append(pool.pop(i) if i is not None else (settings, FedSource(names, bs)))  # the last used last
+    del pool[:-keep]
+    return pool[-1][1]
 
 # %% ../nbs/04_epoch.ipynb #70bd57e4
 def to_device_async(t:torch.Tensor, # a small tensor DALI made on the host (a crop window, a matrix)

@@ -204,7 +204,7 @@ class DaliDataLoader(BatchDisplay):
                 'split': self.split_idx, 'shard': (self.rank, self.world_size)}
 
     def fed_by(self, pool:list, # `(settings, FedSource)` pairs kept by the owner of the loaders (`DaliDataLoaders.test_dl`)
-               keep:int=4, # at most this many pipelines in `pool`; the oldest goes first
+               keep:int=4, # at most this many pipelines in `pool`; the one used longest ago goes first
               )->'DaliDataLoader': # this loader
         "Read through a pipeline fed each epoch's files (`FedSource`), the one in `pool` for these settings: one build for every item set"
         self._pool,self._keep = pool,keep  # `one_batch` reads through it too
