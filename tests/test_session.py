@@ -27,6 +27,12 @@ def _small(dest:Path)->Path:
     return dest
 
 
+def _dblock()->DataBlock:
+    "The classification DataBlock of `_small`'s folders, 28 px"
+    return DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=get_image_files, get_y=parent_label,
+                     splitter=GrandparentSplitter(valid_name='valid'), item_tfms=Resize(28))
+
+
 class Builds:
     "Counts the DALI pipelines built (a `Pipeline.build` on a pipeline not built yet)"
     def __init__(self): self.n = 0
@@ -45,8 +51,7 @@ def test_a_session_builds_each_pipeline_once(tmp_path):
     "loaders, lr_find, fine_tune, get_preds, predicts, another fit, more predicts: the training and validation pipelines, and no more; tta one more, at its first call"
     warnings.filterwarnings('ignore')
     path = _small(tmp_path)
-    db = DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=get_image_files, get_y=parent_label,
-                   splitter=GrandparentSplitter(valid_name='valid'), item_tfms=Resize(28))
+    db = _dblock()
     files = sorted(get_image_files(path/'valid'))[:3]
     with Builds() as b:
         dls = DaliDataLoaders.from_dblock(db, path, bs=8, device='cpu', seed=0, drain_limit=100)  # lr_find leaves few batches whatever fastai counts: they are read, not built anew
@@ -85,8 +90,7 @@ def test_show_batch_and_show_results_build_no_pipeline_of_their_own(tmp_path):
     import matplotlib; matplotlib.use('Agg')
     warnings.filterwarnings('ignore')
     path = _small(tmp_path)
-    db = DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=get_image_files, get_y=parent_label,
-                   splitter=GrandparentSplitter(valid_name='valid'), item_tfms=Resize(28))
+    db = _dblock()
     dls = DaliDataLoaders.from_dblock(db, path, bs=8, device='cpu', seed=0)
     learn = vision_learner(dls, resnet18, pretrained=False, metrics=accuracy)
     counts = {}
