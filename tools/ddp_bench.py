@@ -18,7 +18,8 @@ CUDA graphs; DDP's all-reduce runs from its hooks as the replayed backward hands
 `FastStep()`, whose race keeps the captured step where it is faster. `--synthetic --graph` captures the plain loop's
 model the same way: the ceiling of a captured step on this host. `--compare`
 keeps each case's img/s in `--out` (JSON) as it goes and skips those already there, so a run cut short goes on where
-it stopped when started again (`--fresh` starts over, `--cases 1,3` runs only those rows); it makes the image set large enough that each rank trains on
+it stopped when started again (`--fresh` starts over, `--cases 1,3` runs only those rows; `--num-threads N` and `--no-priority-stream` set the
+loaders' DALI threads and stream, in every case); it makes the image set large enough that each rank trains on
 about `--images-per-rank` images an epoch on the most GPUs (an epoch of several seconds). Every img/s is the steady
 pace of the epochs after the first (a fit's start is not in it). The numbers of 2026-11-27 are in
 nbs/images/ddp_h200x4_20261127.txt (4 H200s) and ddp_h200x2_20261127b.txt (2 H200s; those of 2026-11-24 in
@@ -214,13 +215,17 @@ def main():
     p.add_argument('--out', default='ddp_bench.json', help="--compare: the cases' img/s, kept as they finish (default: ddp_bench.json)")
     p.add_argument('--fresh', action='store_true', help="--compare: run every case again, not only those missing from --out")
     p.add_argument('--cases', default=None, help="--compare: only these cases, by their row in the table, e.g. 1,3,5 (default: all)")
+    p.add_argument('--num-threads', type=int, default=None, help="the loaders' DALI CPU threads a pipeline (default: "
+                   "default_threads(), the cores this process may use, at most 8): what the loader's cost under DDP owes to them")
+    p.add_argument('--no-priority-stream', action='store_true', help="the loaders leave PyTorch's work on the caller's "
+                   "stream (priority_stream=False): what their high-priority stream is worth")
     p.add_argument('--result', default=None, help='rank 0 writes {"img_s": ...} here')
     a = p.parse_args()
     if a.compare:
         most = torch.cuda.device_count() if a.compare == 'max' else int(a.compare)
         if a.n_per_class is None and a.path is None: a.n_per_class = n_per_class_for(a.images_per_rank, most)
-        keep = [x for k in ('path', 'bs', 'size', 'n_per_class', 'epochs') if getattr(a, k) is not None
-                for x in (f"--{k.replace('_', '-')}", str(getattr(a, k)))]
+        keep = [x for k in ('path', 'bs', 'size', 'n_per_class', 'epochs', 'num_threads') if getattr(a, k) is not None
+                for x in (f"--{k.replace('_', '-')}", str(getattr(a, k)))] + ['--no-priority-stream']*a.no_priority_stream
         cases = [int(c) for c in a.cases.split(',')] if a.cases else None
         if cases and not all(1 <= c <= len(CASES) for c in cases):
             raise SystemExit(f"--cases {a.cases}: each must be a row of the table, 1 to {len(CASES)}")
@@ -228,7 +233,8 @@ def main():
     rank, world = int(os.environ.get('RANK', 0)), int(os.environ.get('WORLD_SIZE', 1))
     torch.cuda.set_device(int(os.environ.get('LOCAL_RANK', 0)))
     path = a.path or bench_images(n_per_class=a.n_per_class or 2000)  # the same folder on every rank (written once, atomically)
-    dls = DaliDataLoaders.from_folder(path, valid_pct=0.1, bs=a.bs, size=a.size, seed=0)
+    dls = DaliDataLoaders.from_folder(path, valid_pct=0.1, bs=a.bs, size=a.size, seed=0, num_threads=a.num_threads,
+                                      priority_stream=not a.no_priority_stream)
     n_imgs = len(dls.train.shard(rank, world, seed=0))*a.bs  # a rank's training images an epoch, as the fit shards them
     model = "fastai's resnet50" if a.fastai_model else 'resnet50'
     if a.synthetic:
@@ -236,7 +242,8 @@ def main():
         what = f"{model} bf16, synthetic data, plain DDP{', captured' if a.graph else ''}"
     elif a.plain_dali:
         dl = dls.train.shard(rank, world, seed=0).to(torch.device('cuda', torch.cuda.current_device()))
-        times,what = plain_epochs(a.epochs, lambda: dl, world, a.fastai_model, loader_stream=True),f'{model} bf16, dali_fastai shard, plain DDP'
+        times,what = (plain_epochs(a.epochs, lambda: dl, world, a.fastai_model, loader_stream=not a.no_priority_stream),
+                      f'{model} bf16, dali_fastai shard, plain DDP')
     elif a.loader_only: times,what = loader_epochs(dls.train, a.epochs),'loader only'
     else:
         graph = 'auto' if a.auto else a.graph
