@@ -342,8 +342,8 @@ class DaliDataLoader(BatchDisplay):
     def _peek(self)->'DaliDataLoader|None':
         "One batch of these items (at random if this loader shuffles), fed through the pipeline `fed_by`'s pool keeps for them"
         if self._pool is None or self.world_size > 1 or self.items.read is not None: return None  # shards, records: read
-        n,seed = min(self.bs, len(self.items)),derived_seed(self.seed, 1 << 30, self._peeks)
-        idx = np.random.default_rng(seed).choice(len(self.items), n, replace=False) if self.shuffle else np.arange(n)
+        n,draw = min(self.bs, len(self.items)),derived_seed(self.seed, 1 << 30, self._peeks)  # which items, this peek's
+        idx = np.random.default_rng(draw).choice(len(self.items), n, replace=False) if self.shuffle else np.arange(n)
         # a training peek draws augmentation of its own (one seed for all peeks: one pipeline), a validation one reads validation's
         peek = self.new(items=self.items.subset(idx.tolist()), shuffle=False, drop_last=False,
                         seed=derived_seed(self.seed, 1 << 30) if self.split_idx == 0 else self.seed)

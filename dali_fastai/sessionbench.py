@@ -155,9 +155,12 @@ def _phase(r:dict, k:str)->float|None:
     if k == 'later predicts': return statistics.median(r['predicts'][1:]) if len(r['predicts']) > 1 else None
     return r['phases'].get(k)
 
-def _median(runs:list, k:str)->float|None:
-    vs = [v for v in (_phase(r, k) for r in runs if 'error' not in r) if v is not None]
-    return statistics.median(vs) if vs else None
+def _med(xs)->float|None:
+    "The median of the values that are not None; None if all are"
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+def _median(runs:list, k:str)->float|None: return _med(_phase(r, k) for r in runs if 'error' not in r)
 
 _COSTS = ('pipeline builds', 'graph capture')
 
@@ -177,11 +180,6 @@ def _where(r:dict)->tuple:
     less = lambda s, c: s - sum(known(c)) if known(c) else None  # None: nothing counted, so nothing to take away
     firsts = [(less(f[0], c[0]), statistics.median(f[1:]) if len(f) > 1 else None) for f,c in zip(fits, r['fit_spent'])]
     return {k: {'all': s, **c, 'the rest': less(s, c)} for k,(s,c) in rows.items()},firsts
-
-def _med(xs)->float|None:
-    "The median of the values that are not None; None if all are"
-    xs = [x for x in xs if x is not None]
-    return statistics.median(xs) if xs else None
 
 def _where_lines(v:str, rs:list)->list:
     "The 'where the time went' block of variant `v`: each cell the median over its sessions"

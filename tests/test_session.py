@@ -27,10 +27,12 @@ def _small(dest:Path)->Path:
     return dest
 
 
-def _dblock()->DataBlock:
-    "The classification DataBlock of `_small`'s folders, 28 px"
-    return DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=get_image_files, get_y=parent_label,
-                     splitter=GrandparentSplitter(valid_name='valid'), item_tfms=Resize(28))
+def _learner(path:Path, **kwargs)->tuple:
+    "`from_dblock` loaders of `_small`'s folders (28 px, bs 8, on the CPU) and an untrained resnet18 learner over them"
+    db = DataBlock(blocks=(ImageBlock, CategoryBlock), get_items=get_image_files, get_y=parent_label,
+                   splitter=GrandparentSplitter(valid_name='valid'), item_tfms=Resize(28))
+    dls = DaliDataLoaders.from_dblock(db, path, bs=8, device='cpu', seed=0, **kwargs)
+    return dls,vision_learner(dls, resnet18, pretrained=False, metrics=accuracy)
 
 
 class Builds:
@@ -51,11 +53,9 @@ def test_a_session_builds_each_pipeline_once(tmp_path):
     "loaders, lr_find, fine_tune, get_preds, predicts, another fit, more predicts: the training and validation pipelines, and no more; tta one more, at its first call"
     warnings.filterwarnings('ignore')
     path = _small(tmp_path)
-    db = _dblock()
     files = sorted(get_image_files(path/'valid'))[:3]
     with Builds() as b:
-        dls = DaliDataLoaders.from_dblock(db, path, bs=8, device='cpu', seed=0, drain_limit=100)  # lr_find leaves few batches whatever fastai counts: they are read, not built anew
-        learn = vision_learner(dls, resnet18, pretrained=False, metrics=accuracy)
+        dls,learn = _learner(path, drain_limit=100)  # lr_find leaves few batches whatever fastai counts: they are read, not built anew
         counts,secs = {},{}
         def seen(k): counts[k],secs[k] = b.n,start_costs(learn)['pipeline builds']  # the builds so far and their seconds
         seen('learner')
@@ -89,10 +89,7 @@ def test_show_batch_and_show_results_build_no_pipeline_of_their_own(tmp_path):
     "A shown batch reads through the pool of fed pipelines: the training loader's peeks build one pipeline at the first and none after, the validation loader's none but validation's own, `show_results` none"
     import matplotlib; matplotlib.use('Agg')
     warnings.filterwarnings('ignore')
-    path = _small(tmp_path)
-    db = _dblock()
-    dls = DaliDataLoaders.from_dblock(db, path, bs=8, device='cpu', seed=0)
-    learn = vision_learner(dls, resnet18, pretrained=False, metrics=accuracy)
+    dls,learn = _learner(_small(tmp_path))
     counts = {}
     with Builds() as b:
         a,c = dls.one_batch(),dls.one_batch(); counts['two training peeks'] = b.n
