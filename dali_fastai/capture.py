@@ -79,6 +79,13 @@ def _quiet_stream_mismatch():
     finally:
         if was: put(True)
 
+def _fresh_rng(device:torch.device):
+    "The CUDA generator of `device` with a state of its own again (same seed and offset) after a capture that failed"
+    # a capture that fails leaves the generator in capture mode (`capture_end` raised before its epilogue), and the next
+    # random kernel outside a capture (dropout) fails: "Offset increment outside graph capture encountered unexpectedly"
+    g = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+    g.graphsafe_set_state(g.clone_state())
+
 class GraphCapture:
     "The model's training forward and backward replayed as CUDA graphs, one for each of a few shapes of its tensor inputs"
     max_graphs = 4 # shapes captured at most; batches of another shape run uncaptured
@@ -106,6 +113,9 @@ class GraphCapture:
         "What keeps the DDP wrapping the model (fastai's `DistributedTrainer` wraps it after `before_fit`) from training it captured"
         ddp = self.learn.model
         if not isinstance(ddp, DistributedDataParallel) or ddp.module is not self.model: return None
+        if not getattr(self.learn.dls.train, 'priority_stream', False):
+            return ("the training loader runs the step on the default stream, where DDP's gradient nodes were made, and a "
+                    "capture cannot wait on that stream: train from dali_fastai's loaders with priority_stream=True (their default)")
         if ddp.find_unused_parameters:
             return ("DDP's find_unused_parameters=True looks for the parameters a forward left unused in its autograd graph, "
                     "where a capture leaves one node using them all: build the model without unused parameters and leave it False")
@@ -156,7 +166,9 @@ class GraphCapture:
                                                           enabled=torch.is_autocast_enabled('cuda'), cache_enabled=False):
                 torch.cuda.make_graphed_callables(m, xs, allow_unused_input=True)
             self.graphs[key] = vars(m)['forward']
-        except Exception as e: self._fail(f"capturing the model failed ({type(e).__name__}: {e})")
+        except Exception as e:
+            _fresh_rng(xs[0].device)
+            self._fail(f"capturing the model failed ({type(e).__name__}: {e})")
         finally:
             self.capture_seconds += time.perf_counter() - start
             vars(m).pop('forward', None)

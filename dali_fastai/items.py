@@ -101,6 +101,15 @@ def category_target(labels:list|None, # class index of each item, `0 .. len(voca
 
 _PATH = type(Path())  # PosixPath or WindowsPath
 
+def _relinked(old:tuple, # targets of some items
+              new:list, # the target made from each of `old` for other items (a subset, unlabelled ones)
+             )->list:
+    "`new`, a box label target's `boxes` pointing at the new box target, not at the one of `old` (other items' boxes)"
+    at = {id(o): t for o,t in zip(old, new)}
+    for t in new:
+        if id(getattr(t, 'boxes', None)) in at: t.boxes = at[id(t.boxes)]
+    return new
+
 class ImageItems:
     "The image files a loader reads and their `Target`s: what fastai calls the dataset (`dls.train_ds`)"
     def __init__(self, files:list, # image paths
@@ -150,7 +159,7 @@ class ImageItems:
     def subset(self, keep:list, # indices of the items to keep
                checked:bool|None=None):
         "These items at indices `keep`"
-        return type(self)([self.files[i] for i in keep], targets=[t.subset(keep) for t in self.targets],
+        return type(self)([self.files[i] for i in keep], targets=_relinked(self.targets, [t.subset(keep) for t in self.targets]),
                           checked=self.checked if checked is None else checked, split_idx=self.split_idx, owner=self.owner)
     def without(self, bad:set # files to leave out, as `str` paths
                ):
@@ -165,7 +174,7 @@ class ImageItems:
             owner=None, # what the files live as long as
            ):
         "Unlabelled items over `files` that decode targets as these do (what `test_dl` reads)"
-        return type(self)(files, targets=[t.unlabelled() for t in self.targets], owner=owner)
+        return type(self)(files, targets=_relinked(self.targets, [t.unlabelled() for t in self.targets]), owner=owner)
 
     @contextmanager
     def set_split_idx(self, i:int # 0: training transforms (what `Learner.tta` asks for), 1: validation

@@ -47,6 +47,17 @@ def test_from_coco_reads_each_split_from_its_json(scenes):
     check_split(dls.valid, valid, 64)
 
 
+def test_a_subset_of_the_items_keeps_each_file_s_boxes_and_labels(scenes):
+    """`ImageItems.subset` (what a shown batch reads, and the files `check_images` keeps) links the box labels to the
+    subset's boxes: linked to the whole set's, they followed other files' boxes (and indexed past their labels)"""
+    valid = coco_boxes(scenes/'annotations'/'valid.json')
+    dls = DaliDataLoaders.from_coco(scenes, images='JPEGImages', item_tfms=Resize(64), bs=4, device='cpu', seed=0)
+    items = dls.valid.items
+    sub = items.subset([5, 2, 7, 0])
+    assert sub.targets[1].boxes is sub.targets[0] and items.new(items.files[:2]).targets[1].boxes is not items.targets[0]
+    check_split(dls.valid.new(items=sub), {f.name: valid[f.name] for f in sub.files}, 64)
+
+
 def test_from_coco_other_names_and_folders(scenes, tmp_path):
     "The jsons named as COCO 2017 names them, each split's images in a folder of its own"
     import shutil

@@ -5,6 +5,7 @@ Why a DDP model is not captured (find_unused_parameters, SyncBatchNorm, gloo), a
 one-process group."""
 import json, os, socket, subprocess, sys, warnings
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -127,15 +128,16 @@ def group():
 
 
 class _Learn:
-    "What `GraphCapture` reads of a `Learner`: its model"
-    def __init__(self, model): self.model = model
+    "What `GraphCapture` reads of a `Learner`: its model, whether its training loader runs the step on a stream of its own"
+    def __init__(self, model, priority_stream:bool=True):
+        self.model,self.dls = model,SimpleNamespace(train=SimpleNamespace(priority_stream=priority_stream))
 
 
-def _refusal(model, sync_bn=False, **ddp_kwargs)->str:
+def _refusal(model, sync_bn=False, priority_stream=True, **ddp_kwargs)->str:
     "Why `GraphCapture` would not capture `model` wrapped in DDP (checked as its first training batch does)"
     with warnings.catch_warnings(record=True):
         warnings.simplefilter('always')
-        cap = GraphCapture(_Learn(model), warnings.warn)  # on the CPU: refused already, which `_ddp_refusal` does not look at
+        cap = GraphCapture(_Learn(model, priority_stream), warnings.warn)  # on the CPU: refused already, which `_ddp_refusal` does not look at
     cap.learn.model = DistributedDataParallel(model, **ddp_kwargs)
     # DDP takes SyncBatchNorm on GPU modules only: made after the wrapping here (`convert_sync_batchnorm` replaces children in place)
     if sync_bn: nn.SyncBatchNorm.convert_sync_batchnorm(model)
@@ -147,6 +149,9 @@ def test_why_a_ddp_model_is_not_captured(group):
     assert 'find_unused_parameters=True' in _refusal(nn.Linear(4, 2), find_unused_parameters=True)
     assert 'distrib_ctx(sync_bn=False)' in _refusal(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), sync_bn=True)
     assert 'runs on gloo' in _refusal(nn.Linear(4, 2))
+    # fastai's own loaders, or ours with priority_stream=False: the step on the default stream (a capture there failed on
+    # 2 x H200, and its fallback died in dropout: "Offset increment outside graph capture")
+    assert 'priority_stream=True' in _refusal(nn.Linear(4, 2), priority_stream=False)
     with warnings.catch_warnings(record=True):
         warnings.simplefilter('always')
         cap = GraphCapture(_Learn(nn.Linear(4, 2)), warnings.warn)

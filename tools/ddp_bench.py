@@ -48,6 +48,7 @@ from dali_fastai.distributed import DaliDistributed
 from dali_fastai.faststep import FastStep
 from dali_fastai.data import DaliDataLoaders
 from dali_fastai.epoch import priority_stream
+from dali_fastai.sessionbench import build_seconds, start_costs
 
 
 class EpochTimer(Callback):
@@ -70,7 +71,7 @@ def loader_epochs(dl, epochs:int)->list:
 def fit_epochs(dls, epochs:int, world:int, sync_bn:bool, bar:bool=True, fused:bool=False, fast_step:bool=False,
                graph:bool|str=False, # `FastStep(graph=...)`: True, False, or 'auto' (its default: captured where faster)
               )->list:
-    "Wall time of the training phase of each of `epochs` epochs of a resnet50 (bf16, channels_last) fit"
+    "Wall time of the training phase of each of `epochs` epochs of a resnet50 (bf16, channels_last) fit, and `start_costs` after it"
     timer = EpochTimer()
     kw = dict(opt_func=partial(OptimWrapper, opt=torch.optim.AdamW, fused=True)) if fused else {}
     cbs = [DaliDistributed(), timer, *([FastStep(graph=graph)] if fast_step or graph else [])]
@@ -80,7 +81,7 @@ def fit_epochs(dls, epochs:int, world:int, sync_bn:bool, bar:bool=True, fused:bo
     with learn.distrib_ctx(sync_bn=sync_bn) if world > 1 else contextlib.nullcontext(), \
          contextlib.nullcontext() if bar else learn.no_bar():
         learn.fit_one_cycle(epochs, 1e-3)
-    return timer.times
+    return timer.times,start_costs(learn)
 
 
 def plain_model(fastai_model:bool, c:int=10):
@@ -94,6 +95,7 @@ def plain_epochs(epochs:int, batches, # `batches()`: one epoch's (x, y) batches,
                  world:int, fastai_model:bool,
                  loader_stream:bool=False, # the batches come from a DALI loader, which runs the step on `priority_stream`
                  graph:bool=False, # the module's forward and backward captured as CUDA graphs, as `FastStep(graph=True)` does
+                 spent:dict|None=None, # gets 'graph capture': the seconds `make_graphed_callables` took
                 )->list:
     "Wall time of `epochs` epochs of resnet50 steps (bf16 autocast, channels_last, Adam) in a plain PyTorch (DDP) loop"
     dev = torch.device('cuda', torch.cuda.current_device())
@@ -114,7 +116,9 @@ def plain_epochs(epochs:int, batches, # `batches()`: one epoch's (x, y) batches,
                 x = x.as_subclass(torch.Tensor).contiguous(memory_format=torch.channels_last)
                 # autocast's cache off: a graph cannot hold it (as `GraphCapture` captures)
                 with torch.autocast('cuda', dtype=torch.bfloat16, cache_enabled=not graph):
-                    if graph and steps == 3: torch.cuda.make_graphed_callables(inner, (x,), allow_unused_input=True)
+                    if graph and steps == 3:
+                        a = time.perf_counter(); torch.cuda.make_graphed_callables(inner, (x,), allow_unused_input=True)
+                        if spent is not None: spent['graph capture'] = time.perf_counter() - a
                     loss = F.cross_entropy(model(x), y.as_subclass(torch.Tensor))
                 opt.zero_grad(); loss.backward(); opt.step(); steps += 1
             torch.cuda.synchronize(); times.append(time.perf_counter() - start)
@@ -193,6 +197,17 @@ def compare(counts:list, args:list, bs:int, out:Path, fresh:bool=False,
     print('\n' + table(rows, counts, bs))
 
 
+def loader_builds(dls)->dict:
+    "Each loader's pipeline builds so far: how many, and their seconds (the first holds the JPEG decoder's start)"
+    return {name: (dl._source.builds, dl._source.build_seconds) for name,dl in (('training', dls.train), ('validation', dls.valid))}
+
+
+def paid(costs:dict, builds:dict)->str:
+    "What a case's start paid for, as its line ends: `start_costs`' seconds (the first epoch holds them) and each loader's builds"
+    said = [f"{k} {v:.2f} s" for k,v in costs.items() if v] + [f"{k} {n} build(s) {v:.2f} s" for k,(n,v) in builds.items() if n]
+    return f"; of which {', '.join(said)}" if said else ''
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument('--path', default=None); p.add_argument('--bs', type=int, default=128); p.add_argument('--size', type=int, default=224)
@@ -238,17 +253,18 @@ def main():
                                       priority_stream=not a.no_priority_stream)
     n_imgs = len(dls.train.shard(rank, world, seed=0))*a.bs  # a rank's training images an epoch, as the fit shards them
     model = "fastai's resnet50" if a.fastai_model else 'resnet50'
+    costs = {}  # what the first epoch paid for: seconds of pipeline builds and graph capture, where the case has them
     if a.synthetic:
-        times = plain_epochs(a.epochs, synthetic_batches(n_imgs//a.bs, a.bs, a.size), world, a.fastai_model, graph=a.graph)
+        times = plain_epochs(a.epochs, synthetic_batches(n_imgs//a.bs, a.bs, a.size), world, a.fastai_model, graph=a.graph, spent=costs)
         what = f"{model} bf16, synthetic data, plain DDP{', captured' if a.graph else ''}"
     elif a.plain_dali:
         dl = dls.train.shard(rank, world, seed=0).to(torch.device('cuda', torch.cuda.current_device()))
         times,what = (plain_epochs(a.epochs, lambda: dl, world, a.fastai_model, loader_stream=not a.no_priority_stream),
                       f'{model} bf16, dali_fastai shard, plain DDP')
-    elif a.loader_only: times,what = loader_epochs(dls.train, a.epochs),'loader only'
+    elif a.loader_only: times,what,costs = loader_epochs(dls.train, a.epochs),'loader only',{'pipeline builds': build_seconds(dls)}
     else:
         graph = 'auto' if a.auto else a.graph
-        times = fit_epochs(dls, a.epochs, world, a.sync_bn, bar=not a.no_bar, fused=a.fused_adamw, fast_step=a.fast_step or a.auto,
+        times,costs = fit_epochs(dls, a.epochs, world, a.sync_bn, bar=not a.no_bar, fused=a.fused_adamw, fast_step=a.fast_step or a.auto,
                            graph=graph)
         what = (f"resnet50 bf16, fastai + dali_fastai, sync_bn={a.sync_bn}{', no progress bar' if a.no_bar else ''}"
                 f"{', fused AdamW' if a.fused_adamw else ''}{f', FastStep(graph={graph!r})' if a.fast_step or a.graph or a.auto else ''}")
@@ -257,7 +273,7 @@ def main():
     if a.result and rank == 0: Path(a.result).write_text(json.dumps({'img_s': img_s, 'whole_img_s': whole}))
     print(f"ddp_bench rank {rank}: {world} GPU(s), {what}, bs {a.bs}/GPU, {n_imgs} images/rank/epoch, epochs 2..{a.epochs}: "
           f"{img_s:,.0f} img/s all ranks; all {len(times)} epochs: {whole:,.0f} img/s (epoch times "
-          f"{', '.join(f'{t:.2f}' for t in times)} s)", flush=True)
+          f"{', '.join(f'{t:.2f}' for t in times)} s){paid(costs, loader_builds(dls))}", flush=True)
 
 
 if __name__ == '__main__': main()
