@@ -1,7 +1,7 @@
 """Which of nvImageCodec's JPEG decoders costs a process its 2.2 s start, whether that start lets Python run meanwhile,
 and whether a decoder made outside DALI keeps the start paid for DALI's first build.
 
-    python tools/decoder_backends.py
+    python tools/decoder_backends.py [MODE ...]
 
 tools/decoder_start.py found the whole of a first pipeline build's 2.2 s in nvImageCodec's nvjpeg extension, and
 tools/session_starts.py that `hw_decoder_load=0` does not shorten it (DALI 2.4 lists the hardware backend whatever its
@@ -16,8 +16,12 @@ start, with nvImageCodec's own Python API (`nvidia.nvimgcodec.Decoder`). That AP
   says how much of the start Python could use;
 - `kept-then-dali`: the `all` decoder kept alive, then the bench's training pipeline built by DALI: does DALI's build
   then skip the start (as with `keep_decoder`'s DALI decoder)?
-GPU only. A first run (4 x H200, 2026-11-27, nbs/images/ddp_h200x4_20261127.txt) made the decoders without decoding:
+Each start checks that the JPEG came out decoded (224 x 224 x 3). GPU only. A first run (4 x H200, 2026-11-27, nbs/images/ddp_h200x4_20261127.txt) made the decoders without decoding:
 each took 10 ms, and a kept one left DALI's first build at 2.36 s.
+A second run (one H200 of 4, 2026-11-27, nbs/images/decoder_starts_h200x4.txt) decoded: all 1.76 s, hw 1.43 s, hw-prealloc
+1.66 s, hybrid 1.30 s; thread 2.52 s, the main thread keeping 20% of its count; kept-then-dali 2.73 s, then DALI's first
+build 0.86 s. Its `cuda` case (0.016 s) had decoded nothing: the check of each decode was added after it, and a rerun
+reports that case as failed (hybrid then 0.91 s, hw 5.73 s while other processes started decoders on the other GPUs).
 """
 import json, subprocess, sys
 
@@ -38,7 +42,8 @@ opts = ('nvjpeg_hw_decoder:preallocate_batch_size=64 nvjpeg_hw_decoder:prealloca
 def make():
     ks = kinds.get(mode)
     d = nvimgcodec.Decoder(device_id=0, backends=None if ks is None else [nvimgcodec.Backend(k) for k in ks], options=opts)
-    d.decode(jpeg); torch.cuda.synchronize()  # the backend starts here
+    img = d.decode(jpeg); torch.cuda.synchronize()  # the backend starts here
+    if img is None or tuple(img.shape) != (224, 224, 3): raise RuntimeError(f"{mode}: the JPEG was not decoded ({img})")
     return d
 if mode == 'thread':
     def count(seconds):
@@ -68,8 +73,11 @@ print('RESULT ' + json.dumps(out))
 '''
 
 
+MODES = ('all', 'hw', 'hw-prealloc', 'cuda', 'hybrid', 'thread', 'kept-then-dali')
+
+
 def main():
-    for mode in ('all', 'hw', 'hw-prealloc', 'cuda', 'hybrid', 'thread', 'kept-then-dali'):
+    for mode in sys.argv[1:] or MODES:  # e.g. `python tools/decoder_backends.py cuda hw`: those cases only
         r = subprocess.run([sys.executable, '-c', CHILD, mode], capture_output=True, text=True, timeout=300)
         line = next((l for l in r.stdout.splitlines() if l.startswith('RESULT ')), None)
         if line is None: print(f"{mode}: failed: {r.stderr.strip().splitlines()[-3:]}", flush=True); continue

@@ -193,6 +193,11 @@ MUTANTS = [
     ('faststep', "        return self._captured + (self.capture.capture_seconds if self.capture else 0.)",
                  "        return self.capture.capture_seconds if self.capture else 0.",
                  "FastStep.capture_seconds keeps the captures of the fits before"),
+    ('items', "        if id(getattr(t, 'boxes', None)) in at: t.boxes = at[id(t.boxes)]", "        pass",
+              "a subset's box labels follow the whole set's boxes"),
+    ('capture', "        if not getattr(self.learn.dls.train, 'priority_stream', False):",
+                "        if False:",
+                "under DDP a step on the default stream is captured (and the capture invalidated)"),
 ]
 
 FAST = ['tests/test_defaults.py', 'tests/test_augment_stats.py']
@@ -212,7 +217,8 @@ SELECTIONS = {  # per module: pytest arguments, relative to the repository root
     'shardindex': ['tests/test_shards.py'],
     'masks': ['tests/test_mask_sampling.py'],
     'steps': ['tests/test_mask_sampling.py'],
-    'capture': ['tests/test_faststep.py'],
+    'capture': ['tests/test_faststep.py', 'tests/test_faststep_ddp.py'],
+    'items': ['tests/test_coco_voc_loaders.py'],
     'faststep': ['tests/test_faststep.py'],
     'fastopt': ['tests/test_faststep.py'],
 }
