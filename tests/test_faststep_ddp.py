@@ -247,21 +247,23 @@ def test_ddp_bench_has_a_graph_row_and_scales_to_every_count(tmp_path, monkeypat
 
 
 def test_ddp_bench_passes_the_loader_levers_to_every_case(tmp_path, monkeypatch):
-    "`--compare` hands `--num-threads` and `--no-priority-stream` to each case, which gives them to its loaders"
+    "`--compare` hands `--num-threads`, `--hw-decoder-load`, `--no-priority-stream` and `--no-kept-decoder` to each case, which gives them to its loaders"
     from helpers import load_tool
     ddp = load_tool('ddp_bench')
     runs = []
     monkeypatch.setattr(ddp, 'run_case', lambda n, args: runs.append(tuple(args)) or 1.0)
     monkeypatch.setattr(sys, 'argv', ['ddp_bench.py', '--compare', '1', '--cases', '1', '--num-threads', '3',
-                                      '--no-priority-stream', '--n-per-class', '4', '--out', str(tmp_path/'o.json')])
+                                      '--hw-decoder-load', '1.0', '--no-priority-stream', '--no-kept-decoder',
+                                      '--n-per-class', '4', '--out', str(tmp_path/'o.json')])
     ddp.main()
     assert runs == [('--bs', '128', '--size', '224', '--n-per-class', '4', '--epochs', '4', '--num-threads', '3',
-                     '--no-priority-stream', '--loader-only')], runs
+                     '--hw-decoder-load', '1.0', '--no-priority-stream', '--no-kept-decoder', '--loader-only')], runs
     seen = {}
     def made(*args, **kwargs): seen.update(kwargs); raise SystemExit  # the loaders' arguments are all this test wants
     monkeypatch.setattr(ddp.DaliDataLoaders, 'from_folder', made)
     monkeypatch.setattr(ddp, 'bench_images', lambda **kw: tmp_path)
     monkeypatch.setattr(ddp.torch.cuda, 'set_device', lambda i: None)
-    monkeypatch.setattr(sys, 'argv', ['ddp_bench.py', '--loader-only', '--num-threads', '3', '--no-priority-stream'])
+    monkeypatch.setattr(sys, 'argv', ['ddp_bench.py', '--loader-only', '--num-threads', '3', '--hw-decoder-load', '1.0',
+                                      '--no-priority-stream'])
     with pytest.raises(SystemExit): ddp.main()
-    assert seen['num_threads'] == 3 and seen['priority_stream'] is False
+    assert seen['num_threads'] == 3 and seen['priority_stream'] is False and seen['hw_decoder_load'] == 1.0

@@ -43,6 +43,7 @@ from fastai.optimizer import OptimWrapper
 from fastai.vision.learner import vision_learner, create_vision_model
 from torchvision.models import resnet50
 
+import dali_fastai.loader
 from dali_fastai.measure import BENCH_PHOTOS, bench_images
 from dali_fastai.distributed import DaliDistributed
 from dali_fastai.faststep import FastStep
@@ -233,6 +234,11 @@ def main():
     p.add_argument('--cases', default=None, help="--compare: only these cases, by their row in the table, e.g. 1,3,5 (default: all)")
     p.add_argument('--num-threads', type=int, default=None, help="the loaders' DALI CPU threads a pipeline (default: "
                    "default_threads(), the cores this process may use, at most 8): what the loader's cost under DDP owes to them")
+    p.add_argument('--hw-decoder-load', type=float, default=None, help="the loaders' share of JPEGs for the GPU's hardware "
+                   "decoder (default: HW_DECODER_LOAD, 0.65; the rest decode on the SMs, beside the step and NCCL): 1.0 "
+                   "leaves the SMs to training, what the loader's cost under DDP may owe to them")
+    p.add_argument('--no-kept-decoder', action='store_true', help="no decoder kept beside the pipelines (`keep_decoder`): "
+                   "each rank starts two JPEG decoders instead of three, what the kept one costs a DDP fit's first epoch")
     p.add_argument('--no-priority-stream', action='store_true', help="the loaders leave PyTorch's work on the caller's "
                    "stream (priority_stream=False): what their high-priority stream is worth")
     p.add_argument('--result', default=None, help='rank 0 writes {"img_s": ...} here')
@@ -240,17 +246,19 @@ def main():
     if a.compare:
         most = torch.cuda.device_count() if a.compare == 'max' else int(a.compare)
         if a.n_per_class is None and a.path is None: a.n_per_class = n_per_class_for(a.images_per_rank, most)
-        keep = [x for k in ('path', 'bs', 'size', 'n_per_class', 'epochs', 'num_threads') if getattr(a, k) is not None
-                for x in (f"--{k.replace('_', '-')}", str(getattr(a, k)))] + ['--no-priority-stream']*a.no_priority_stream
+        keep = [x for k in ('path', 'bs', 'size', 'n_per_class', 'epochs', 'num_threads', 'hw_decoder_load') if getattr(a, k) is not None
+                for x in (f"--{k.replace('_', '-')}", str(getattr(a, k)))] + ['--no-priority-stream']*a.no_priority_stream + ['--no-kept-decoder']*a.no_kept_decoder
         cases = [int(c) for c in a.cases.split(',')] if a.cases else None
         if cases and not all(1 <= c <= len(CASES) for c in cases):
             raise SystemExit(f"--cases {a.cases}: each must be a row of the table, 1 to {len(CASES)}")
         return compare(gpu_counts(most), keep, a.bs, Path(a.out), a.fresh, cases)
+    if a.no_kept_decoder: dali_fastai.loader.keep_decoder = lambda *args: None  # a probe's switch, as tools/session_starts.py's
     rank, world = int(os.environ.get('RANK', 0)), int(os.environ.get('WORLD_SIZE', 1))
     torch.cuda.set_device(int(os.environ.get('LOCAL_RANK', 0)))
     path = a.path or bench_images(n_per_class=a.n_per_class or 2000)  # the same folder on every rank (written once, atomically)
     dls = DaliDataLoaders.from_folder(path, valid_pct=0.1, bs=a.bs, size=a.size, seed=0, num_threads=a.num_threads,
-                                      priority_stream=not a.no_priority_stream)
+                                      priority_stream=not a.no_priority_stream,
+                                      **({} if a.hw_decoder_load is None else {'hw_decoder_load': a.hw_decoder_load}))
     n_imgs = len(dls.train.shard(rank, world, seed=0))*a.bs  # a rank's training images an epoch, as the fit shards them
     model = "fastai's resnet50" if a.fastai_model else 'resnet50'
     costs = {}  # what the first epoch paid for: seconds of pipeline builds and graph capture, where the case has them
