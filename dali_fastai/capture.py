@@ -161,12 +161,14 @@ class GraphCapture:
         self.remove()
         self._let_the_last_graph_go()
         start = time.perf_counter()  # `make_graphed_callables` syncs after its warm-up passes and a capture runs no kernel: the host's clock
+        stream = torch.cuda.current_stream(xs[0].device)  # a failed capture leaves its own stream current (`torch.cuda.graph`'s exit stops early)
         try:
             with _quiet_stream_mismatch(), torch.autocast('cuda', dtype=torch.get_autocast_dtype('cuda'),
                                                           enabled=torch.is_autocast_enabled('cuda'), cache_enabled=False):
                 torch.cuda.make_graphed_callables(m, xs, allow_unused_input=True)
             self.graphs[key] = vars(m)['forward']
         except Exception as e:
+            torch.cuda.set_stream(stream)
             _fresh_rng(xs[0].device)
             self._fail(f"capturing the model failed ({type(e).__name__}: {e})")
         finally:

@@ -359,7 +359,8 @@ class _HostRead(nn.Module):
 @needs_gpu('FastStep(graph=True) captures on a CUDA device')
 def test_a_failed_capture_trains_on_uncaptured_dropout_included(tmp_path):
     """A capture that fails says so once and the fit goes on uncaptured: dropout's random numbers too (the failed capture
-    left CUDA's generator in capture mode, "Offset increment outside graph capture", until `GraphCapture` reset it)"""
+    left CUDA's generator in capture mode, "Offset increment outside graph capture", until `GraphCapture` reset it), on
+    the stream it ran on before"""
     from fastai.data.core import DataLoaders
     from fastai.data.load import DataLoader
     g = torch.Generator().manual_seed(0)
@@ -373,6 +374,7 @@ def test_a_failed_capture_trains_on_uncaptured_dropout_included(tmp_path):
     assert len(said) == 1 and 'capturing the model failed' in said[0], said
     assert len(learn.recorder.losses) == 6 and all(torch.isfinite(l) for l in learn.recorder.losses)
     assert torch.nn.functional.dropout(torch.ones(8, device='cuda'), 0.5).isfinite().all()  # the generator works after the fit
+    assert torch.cuda.current_stream() == torch.cuda.default_stream()  # not the failed capture's stream (fastai's loaders set none)
 
 
 # ---------------------------------------------------------------- graph='auto': capture when it is faster
