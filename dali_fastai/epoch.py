@@ -147,10 +147,12 @@ def derived_seed(seed:int|None, # the user's seed; None: None
 
 class PipelineSource:
     "The DALI iterator behind a loader: built on demand, with seeds of its own for every build; closed, checkpointed, resumed"
+    keep_other = True # when the key changes, keep the iterator of the key before (its epoch read to the end) for a return to it
     def __init__(self, names:list, # the pipeline's outputs' names
                 ):
         self.names = names
         self.it,self.key,self.builds,self.order_seed,self.resume = None,None,0,None,None
+        self.build,self.other = None,{} # the current iterator's build number; `keep_other`'s {key: (iterator, order seed, build)}
         self.epoch = None  # the epoch being read from `it`
         self.build_seconds = 0. # seconds its builds took: DALI's `Pipeline.build` (with the JPEG decoder's start), and the graph's making
 
@@ -162,6 +164,12 @@ class PipelineSource:
                 )->DALIGenericIterator:
         "The iterator, built now if there is none, or none for `key`"
         if self.it is not None and self.key == key: return self.it
+        # fastai's `tta` switches a validation loader to the training transforms and back: each key keeps its pipeline
+        old = {self.key: (self.it, self.order_seed, self.build)} if self.keep_other and self.it is not None and not self.reading else {}
+        if self.resume is None and key in self.other:
+            (self.it,self.order_seed,self.build),self.other = self.other[key],old
+            self.key,self.epoch = key,None
+            return self.it
         resume,self.resume = self.resume,None
         build = self.builds if resume is None else resume['build']
         self.builds = build + 1
@@ -176,7 +184,7 @@ class PipelineSource:
         start = time.perf_counter()
         it = self._wrap(make(derived_seed(seed, build, *stream), order_seed, checkpoint), policy)
         self.build_seconds += time.perf_counter() - start
-        self.it,self.key,self.epoch = it,key,None
+        self.it,self.key,self.epoch,self.build,self.other = it,key,None,build,old
         return self.it
 
     def _wrap(self, pipe, policy)->DALIGenericIterator:
@@ -184,7 +192,7 @@ class PipelineSource:
         return DALIGenericIterator([pipe], self.names, reader_name='Reader', last_batch_policy=policy, auto_reset=True,
                                    prepare_first_batch=False)
 
-    def close(self): self.it,self.key,self.epoch = None,None,None
+    def close(self): self.it,self.key,self.epoch,self.other = None,None,None,{}
     @property
     def reading(self)->bool: return self.epoch is not None and not self.epoch.done and self.epoch.left > 0  # an epoch under way
     def abandon(self, limit:int, # at most this many batches left are read (`default_drain_limit`)
@@ -196,10 +204,10 @@ class PipelineSource:
         try: e.drain()
         except BaseException:  # e.g. Ctrl-C while draining: the iterator's state is unknown, so it is never reused
             self.close(); raise
-    def __getstate__(self): return {**self.__dict__, 'it': None, 'key': None, 'resume': None, 'epoch': None}  # DALI's cannot be pickled
+    def __getstate__(self): return {**self.__dict__, 'it': None, 'key': None, 'resume': None, 'epoch': None, 'other': {}}  # DALI's cannot be pickled
     def state(self)->dict:
         "Build number, order seed and DALI's checkpoint (reader positions, random generators), JSON-ready"
-        return {'build': self.builds - 1, 'order_seed': self.order_seed,
+        return {'build': self.builds - 1 if self.it is None else self.build, 'order_seed': self.order_seed,
                 'dali': None if self.it is None else base64.b64encode(self.it.checkpoints()[0]).decode()}
     def load(self, state:dict):
         "Make the next build continue from `state`"
@@ -254,6 +262,7 @@ class _Cut:
 
 class FedSource(PipelineSource):
     "A `PipelineSource` whose pipeline reads the files it is handed at each epoch's start (`FileFeed`): built once for many item sets"
+    keep_other = False # a pool keeps a fed pipeline for each split (`DaliDataLoader._pooled`): its key does not come back
     def __init__(self, names:list, # the pipeline's outputs' names
                  bs:int, # the batch size
                 ):

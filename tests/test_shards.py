@@ -115,6 +115,25 @@ def test_label_offset_and_fit(shards, tmp_path):
     assert preds.shape == (8, len(VOCAB)) and targs.tolist() == list(range(8))
 
 
+def test_tta_builds_its_pipeline_once_and_validation_keeps_its_own(shards, tmp_path):
+    """Records are read by DALI's readers, not fed: `learn.tta` reads the validation records through the training
+    transforms on a pipeline built at its first call, kept beside validation's, which each plain pass reads again (each
+    `tta` built two before: its own and validation's anew)"""
+    from fastai.learner import Learner
+    import fastai.callback.progress  # noqa: F401 (Learner.no_bar)
+    dls = loaders(shards, drop_last=False)
+    learn = Learner(dls, tiny_model(len(VOCAB)), path=tmp_path)
+    builds = lambda: dls.valid._source.builds
+    with learn.no_bar(), learn.no_logging():
+        plain,_ = learn.get_preds(); seen = [builds()]
+        learn.tta(n=2, beta=0.); seen.append(builds())  # beta=0: the augmented passes only
+        learn.tta(n=2); again,targs = learn.get_preds(); seen.append(builds())
+    assert seen == [1, 2, 2], seen
+    assert torch.equal(again, plain) and targs.tolist() == list(range(N_TRAIN, N_TRAIN + N_VALID))  # validation's, from its start
+    assert list(dls.valid._source.other) == [(0, 0, 1)]  # kept: the pipeline of the training transforms (split 0), one rank
+    # (these one-colour images look alike through any crop or flip: the augmented passes' predictions cannot tell)
+
+
 @pytest.mark.parametrize('fmt', list(FROM))
 def test_folder_to_shards_round_trip(tmp_path, fmt):
     "An ImageNet-style folder written with `folder_shards` gives the loaders the folder gives: same vocab, same validation batches"

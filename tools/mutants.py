@@ -198,6 +198,8 @@ MUTANTS = [
     ('capture', "        if not getattr(self.learn.dls.train, 'priority_stream', False):",
                 "        if False:",
                 "under DDP a step on the default stream is captured (and the capture invalidated)"),
+    ('epoch', "        if self.resume is None and key in self.other:", "        if False:",
+              "every tta on records or a DDP shard builds two pipelines"),
 ]
 
 FAST = ['tests/test_defaults.py', 'tests/test_augment_stats.py']
@@ -222,7 +224,7 @@ SELECTIONS = {  # per module: pytest arguments, relative to the repository root
     'faststep': ['tests/test_faststep.py'],
     'fastopt': ['tests/test_faststep.py'],
 }
-SELECTIONS['epoch'] = SELECTIONS['loader']  # the batch arithmetic and `DaliEpoch` keep the loader's promises
+SELECTIONS['epoch'] = SELECTIONS['loader'] + ['tests/test_shards.py']  # the batch arithmetic and `DaliEpoch` keep the loader's promises
 ALL_TESTS = ['tests', '--ignore', 'tests/test_notebooks.py']
 
 
