@@ -110,13 +110,18 @@ class DaliEpoch:
     def __init__(self, it:DALIGenericIterator, # the pipeline's iterator, at the start of a DALI epoch (or of a resumed one)
                  n:int, # batches this epoch yields (`len(dl)`)
                  taken:int=0, # batches of a resumed epoch already taken
-                ): self.it,self.n,self.taken,self.done = it,n,taken,False
+                 source=None, # the `PipelineSource` of `it`: the wait for a new build's first batch is counted there
+                ): self.it,self.n,self.taken,self.done,self.source = it,n,taken,False,source
 
     def __iter__(self):
         "DALI's batches (dicts of outputs); an exception from DALI leaves the epoch `broken`"
         while True:
+            start = time.perf_counter()
             try: data = next(self.it)  # `next()`, not `for`: DALI's `iter()` would try a mid-epoch reset
             except StopIteration: break
+            if self.source is not None and self.source.unread:  # DALI's first runs of a new pipeline: a start cost
+                self.source.unread = False
+                self.source.first_batch_seconds += time.perf_counter() - start
             if self.taken >= self.n: continue  # sharded: every rank stops at `len`; DALI's epoch may hold one more
             self.taken += 1
             yield data[0]
@@ -155,6 +160,7 @@ class PipelineSource:
         self.build,self.other = None,{} # the current iterator's build number; `keep_other`'s {key: (iterator, order seed, build)}
         self.epoch = None  # the epoch being read from `it`
         self.build_seconds = 0. # seconds its builds took: DALI's `Pipeline.build` (with the JPEG decoder's start), and the graph's making
+        self.first_batch_seconds,self.unread = 0.,False # seconds each build's first batch took to come (`DaliEpoch`); a build not read yet
 
     def iterator(self, key, # what the pipeline is built for (e.g. recipe and shard): another key rebuilds it
                  make, # `make(seed, order_seed, checkpoint)` → a DALI `Pipeline` whose reader is named 'Reader' (not kept: no cycle)
@@ -184,7 +190,7 @@ class PipelineSource:
         start = time.perf_counter()
         it = self._wrap(make(derived_seed(seed, build, *stream), order_seed, checkpoint), policy)
         self.build_seconds += time.perf_counter() - start
-        self.it,self.key,self.epoch,self.build,self.other = it,key,None,build,old
+        self.it,self.key,self.epoch,self.build,self.other,self.unread = it,key,None,build,old,True
         return self.it
 
     def _wrap(self, pipe, policy)->DALIGenericIterator:

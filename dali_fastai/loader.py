@@ -286,7 +286,7 @@ class DaliDataLoader(BatchDisplay):
         self.reset()
         self._epoch_no += 1
         taken,self._taken_at_resume = self._taken_at_resume,0
-        self._epoch = DaliEpoch(self._iterator(), len(self), taken)
+        self._epoch = DaliEpoch(self._iterator(), len(self), taken, self._source)
         self.after_batch.split_idx = self.split_idx
         return self._epoch
 

@@ -48,12 +48,17 @@ def build_seconds(dls)->float|None:
     "Seconds `dls`' loaders and its `test_dl`s spent building DALI pipelines so far (`PipelineSource.build_seconds`); None for fastai's loaders"
     return sum(s.build_seconds for s in _sources(dls)) if isinstance(dls, DaliDataLoaders) else None
 
+def _first_batches(dls)->float|None:
+    "Seconds the first batch of each of their builds took to come (`PipelineSource.first_batch_seconds`); None for fastai's loaders"
+    return sum(s.first_batch_seconds for s in _sources(dls)) if isinstance(dls, DaliDataLoaders) else None
+
 # %% ../nbs/08f_sessionbench.ipynb #de9b80a9
 def start_costs(learn, # a fastai `Learner`
-               )->dict: # seconds per cost: 'pipeline builds', 'graph capture'; None where there is none of the kind
-    "Seconds `learn` spent so far on what a fit pays at its start: building its loaders' DALI pipelines, capturing CUDA graphs (`FastStep`)"
+               )->dict: # seconds per cost: 'pipeline builds', 'graph capture', 'first batches'; None where there is none of the kind
+    "Seconds `learn` spent so far on what a fit pays at its start: building its loaders' DALI pipelines, capturing CUDA graphs (`FastStep`), waiting for a new pipeline's first batch"
     fast = next((cb for cb in learn.cbs if isinstance(cb, FastStep)), None)
-    return {'pipeline builds': build_seconds(learn.dls), 'graph capture': None if fast is None else fast.capture_seconds}
+    return {'pipeline builds': build_seconds(learn.dls), 'graph capture': None if fast is None else fast.capture_seconds,
+            'first batches': _first_batches(learn.dls)}
 
 def spent_between(before:dict, after:dict)->dict:
     "What was spent on each of `start_costs`' costs between two readings"
@@ -162,11 +167,11 @@ def _med(xs)->float|None:
 
 def _median(runs:list, k:str)->float|None: return _med(_phase(r, k) for r in runs if 'error' not in r)
 
-_COSTS = ('pipeline builds', 'graph capture')
+_COSTS = ('pipeline builds', 'graph capture', 'first batches')  # a session read before a cost was counted lacks it: `.get`
 
 def _total(costs:list, f=sum)->dict:
     "Each cost of `costs` (`spent_between`'s) summed, or `f` of them: None where one is None"
-    return {k: None if any(c[k] is None for c in costs) else f([c[k] for c in costs]) for k in _COSTS}
+    return {k: None if any(c.get(k) is None for c in costs) else f([c[k] for c in costs]) for k in _COSTS}
 
 def _where(r:dict)->tuple:
     "A session's phases and fits, each split into its seconds ('all'), each start cost and the rest; each fit's first epoch less its costs, and its later ones"
@@ -176,7 +181,7 @@ def _where(r:dict)->tuple:
     rows['get_preds'] = (r['phases']['get_preds'], sp['get_preds'])
     if ps: rows['first predict'] = (ps[0], sp['predicts'][0])
     if len(ps) > 1: rows['later predicts'] = (statistics.median(ps[1:]), _total(sp['predicts'][1:], statistics.median))
-    known = lambda c: [c[k] for k in _COSTS if c[k] is not None]
+    known = lambda c: [c[k] for k in _COSTS if c.get(k) is not None]
     less = lambda s, c: s - sum(known(c)) if known(c) else None  # None: nothing counted, so nothing to take away
     firsts = [(less(f[0], c[0]), statistics.median(f[1:]) if len(f) > 1 else None) for f,c in zip(fits, r['fit_spent'])]
     return {k: {'all': s, **c, 'the rest': less(s, c)} for k,(s,c) in rows.items()},firsts
@@ -184,13 +189,13 @@ def _where(r:dict)->tuple:
 def _where_lines(v:str, rs:list)->list:
     "The 'where the time went' block of variant `v`: each cell the median over its sessions"
     ws = [_where(r) for r in rs if 'error' not in r and 'spent' in r]
-    if all(row[k] is None for rows,_ in ws for row in rows.values() for k in _COSTS): return [f"{v}, where the time went: -"]
+    if all(row.get(k) is None for rows,_ in ws for row in rows.values() for k in _COSTS): return [f"{v}, where the time went: -"]
     cell = lambda x: '-' if x is None else f"{x:.2f}"
     cols = ('all', *_COSTS, 'the rest')
     lines = [f"{v}, where the time went (s):", f"  {'':<20}" + ''.join(f"{c:>17}" for c in cols)]
-    lines += [f"  {k:<20}" + ''.join(f"{cell(_med(rows[k][c] for rows,_ in ws)):>17}" for c in cols) for k in ws[0][0]]
+    lines += [f"  {k:<20}" + ''.join(f"{cell(_med(rows[k].get(c) for rows,_ in ws)):>17}" for c in cols) for k in ws[0][0]]
     firsts = [(_med(f[i][0] for _,f in ws), _med(f[i][1] for _,f in ws)) for i in range(len(ws[0][1]))]
-    lines.append("  each fit's first epoch less its builds and captures: " +
+    lines.append("  each fit's first epoch less its builds, captures and first batches: " +
                  ', '.join(f"{cell(a)} s" + (f" vs {b:.2f} s later" if b is not None else '') for a,b in firsts))
     return lines
 

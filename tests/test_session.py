@@ -60,8 +60,9 @@ def test_a_session_builds_each_pipeline_once(tmp_path):
     files = sorted(get_image_files(path/'valid'))[:3]
     with Builds() as b:
         dls,learn = _learner(path, drain_limit=100)  # lr_find leaves few batches whatever fastai counts: they are read, not built anew
-        counts,secs = {},{}
-        def seen(k): counts[k],secs[k] = b.n,start_costs(learn)['pipeline builds']  # the builds so far and their seconds
+        counts,secs,firsts = {},{},{}
+        def seen(k):  # the builds so far, their seconds, and the seconds their first batches took to come
+            counts[k],secs[k],firsts[k] = b.n,start_costs(learn)['pipeline builds'],start_costs(learn)['first batches']
         seen('learner')
         with learn.no_bar(), learn.no_logging():
             learn.lr_find(num_it=10, show_plot=False); seen('lr_find')
@@ -81,6 +82,7 @@ def test_a_session_builds_each_pipeline_once(tmp_path):
     assert built == {k: counts[k] > counts[j] for j,k in zip(phases, phases[1:])} == {
         'lr_find': True, 'fine_tune': True, 'get_preds': False, 'first predict': False, 'later predicts': False,
         'another fit': False, 'after it': False, 'tta': True, 'later ttas': False, 'get_preds after': False}, (built, secs)  # seconds of builds in exactly the phases that built a pipeline
+    assert {k: firsts[k] > firsts[j] for j,k in zip(phases, phases[1:])} == built, firsts  # and a first batch waited for there only
     assert secs['learner'] == 0 and start_costs(learn)['graph capture'] is None  # nothing built yet; no FastStep, no capture
     assert len(targs) == 30 and preds.shape == (30, 10)
     assert first[0] == later[0][0]  # the same file, the same prediction through the shared pipeline
