@@ -10,7 +10,7 @@ __all__ = ['n_batches', 'shard_sizes', 'batches_per_rank', 'interleaved_order', 
            'to_device_async']
 
 # %% ../nbs/04_epoch.ipynb #42a6f309
-import base64, functools, os, time
+import base64, functools, os, time, weakref
 from collections import deque
 from contextlib import contextmanager
 import numpy as np
@@ -111,7 +111,11 @@ class DaliEpoch:
                  n:int, # batches this epoch yields (`len(dl)`)
                  taken:int=0, # batches of a resumed epoch already taken
                  source=None, # the `PipelineSource` of `it`: the wait for a new build's first batch is counted there
-                ): self.it,self.n,self.taken,self.done,self.source = it,n,taken,False,source
+                ):
+        self.it,self.n,self.taken,self.done = it,n,taken,False
+        # a weak reference: the source holds this epoch (`PipelineSource.epoch`), and a cycle would keep a dropped loader's
+        # pipeline, and its threads, alive until the garbage collector runs
+        self.source = None if source is None else weakref.ref(source)
 
     def __iter__(self):
         "DALI's batches (dicts of outputs); an exception from DALI leaves the epoch `broken`"
@@ -119,9 +123,10 @@ class DaliEpoch:
             start = time.perf_counter()
             try: data = next(self.it)  # `next()`, not `for`: DALI's `iter()` would try a mid-epoch reset
             except StopIteration: break
-            if self.source is not None and self.source.unread:  # DALI's first runs of a new pipeline: a start cost
-                self.source.unread = False
-                self.source.first_batch_seconds += time.perf_counter() - start
+            source = self.source and self.source()
+            if source is not None and source.unread:  # DALI's first runs of a new pipeline: a start cost
+                source.unread = False
+                source.first_batch_seconds += time.perf_counter() - start
             if self.taken >= self.n: continue  # sharded: every rank stops at `len`; DALI's epoch may hold one more
             self.taken += 1
             yield data[0]

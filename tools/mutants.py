@@ -200,7 +200,7 @@ MUTANTS = [
                 "under DDP a step on the default stream is captured (and the capture invalidated)"),
     ('epoch', "        if self.resume is None and key in self.other:", "        if False:",
               "every tta on records or a DDP shard builds two pipelines"),
-    ('epoch', "                self.source.unread = False", "                pass",
+    ('epoch', "                source.unread = False", "                pass",
               "every batch counted as a new pipeline's first"),
 ]
 
