@@ -105,6 +105,11 @@ def priority_stream(device:torch.device, # the device of the block's PyTorch wor
     finally: caller.wait_stream(high)
 
 # %% ../nbs/04_epoch.ipynb #30b0ce31
+def _first_read(source, # the `PipelineSource` of a build whose first batch was just read (None: freed meanwhile)
+                secs:float): # how long that batch took to come: DALI's first runs of the pipeline, a start cost
+    "Count a new build's first batch in its source: read now, and the wait for it among its start costs"
+    if source is not None: source.unread,source.first_batch_seconds = False,source.first_batch_seconds + secs
+
 class DaliEpoch:
     "One pass over a DALI iterator: it counts the batches taken, stops at `n`, and can be finished early by draining"
     def __init__(self, it:DALIGenericIterator, # the pipeline's iterator, at the start of a DALI epoch (or of a resumed one)
@@ -113,20 +118,18 @@ class DaliEpoch:
                  source=None, # the `PipelineSource` of `it`: the wait for a new build's first batch is counted there
                 ):
         self.it,self.n,self.taken,self.done = it,n,taken,False
-        # a weak reference: the source holds this epoch (`PipelineSource.epoch`), and a cycle would keep a dropped loader's
-        # pipeline, and its threads, alive until the garbage collector runs
-        self.source = None if source is None else weakref.ref(source)
+        # the source of a build not read yet, whose first batch this epoch times; weakly: the source holds this epoch
+        # (`PipelineSource.epoch`), and a cycle would keep a dropped loader's pipeline and threads alive until the GC runs
+        self._new = weakref.ref(source) if source is not None and source.unread else None
 
     def __iter__(self):
         "DALI's batches (dicts of outputs); an exception from DALI leaves the epoch `broken`"
+        new,self._new = self._new,None  # the first batch only is timed: no clock in the batches after it
         while True:
-            start = time.perf_counter()
+            start = time.perf_counter() if new else None
             try: data = next(self.it)  # `next()`, not `for`: DALI's `iter()` would try a mid-epoch reset
             except StopIteration: break
-            source = self.source and self.source()
-            if source is not None and source.unread:  # DALI's first runs of a new pipeline: a start cost
-                source.unread = False
-                source.first_batch_seconds += time.perf_counter() - start
+            if new: _first_read(new(), time.perf_counter() - start); new = None
             if self.taken >= self.n: continue  # sharded: every rank stops at `len`; DALI's epoch may hold one more
             self.taken += 1
             yield data[0]

@@ -21,7 +21,7 @@ each took 10 ms, and a kept one left DALI's first build at 2.36 s.
 A second run (one H200 of 4, 2026-11-27, nbs/images/decoder_starts_h200x4.txt) decoded: all 1.76 s, hw 1.43 s, hw-prealloc
 1.66 s, hybrid 1.30 s; thread 2.52 s, the main thread keeping 20% of its count; kept-then-dali 2.73 s, then DALI's first
 build 0.86 s. Its `cuda` case (0.016 s) had decoded nothing: the check of each decode was added after it, and a rerun
-reports that case as failed (hybrid then 0.91 s, hw 5.73 s while other processes started decoders on the other GPUs).
+reports that case as failed (hybrid then 0.91 s; hw 5.73 s, but beside tests that started pipelines on the other GPUs).
 """
 import json, subprocess, sys
 

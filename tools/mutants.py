@@ -200,8 +200,9 @@ MUTANTS = [
                 "under DDP a step on the default stream is captured (and the capture invalidated)"),
     ('epoch', "        if self.resume is None and key in self.other:", "        if False:",
               "every tta on records or a DDP shard builds two pipelines"),
-    ('epoch', "                source.unread = False", "                pass",
-              "every batch counted as a new pipeline's first"),
+    ('epoch', "        self._new = weakref.ref(source) if source is not None and source.unread else None",
+              "        self._new = weakref.ref(source) if source is not None else None",
+              "every epoch's first batch counted as a new pipeline's"),
 ]
 
 FAST = ['tests/test_defaults.py', 'tests/test_augment_stats.py']
