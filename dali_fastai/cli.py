@@ -96,6 +96,9 @@ def parser()->argparse.ArgumentParser:
     t.add_argument('--graph', action='store_true', help="train with FastStep(graph=True): the model's forward and backward "
                    "replayed as CUDA graphs always, not only where faster (GPU; implies --fast-step; where a model cannot "
                    "be captured, one warning says why)")
+    t.add_argument('--hw-decoder-load', type=float, default=None, metavar='F', help="GPU: the share of JPEGs for the "
+                   "hardware JPEG decoder, 0 to 1, the rest on the CUDA decoder (default: DALI's 0.65); under DDP resnet50 "
+                   "trained faster with 0, resnet18 slower (see the distributed docs)")
     g = t.add_argument_group('several GPUs', "DDP through torchrun (torch.distributed.run): one process a GPU, each reading "
                              "its own shard; --bs is per GPU; fastai's distrib_ctx(sync_bn=False)")
     g.add_argument('--gpus', type=int, default=1, help="processes on this machine, one a GPU (default: 1, no DDP); with "

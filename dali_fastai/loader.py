@@ -171,7 +171,9 @@ class DaliDataLoader(BatchDisplay):
             idx = interleaved_order(len(files), self.bs, self.world_size)
             files = [files[i] for i in idx]
         device_id = dali_device_id(self.device)
-        keep_decoder(device_id, self.hw_decoder_load)  # the JPEG decoder's start paid once a process (see `keep_decoder`)
+        # the JPEG decoder's start paid once a process (see `keep_decoder`); not for a DDP shard, whose ranks start their
+        # decoders at once: there a third decoder a rank cost each rank's first epoch 2.4 s on 4 GPUs (distributed notebook)
+        if self.world_size == 1: keep_decoder(device_id, self.hw_decoder_load)
         # fed (`fed_by`): the feed serves the files of each epoch, sides included; else a reader over these items
         side = [] if self._fed else [[f[i] for i in idx] for f in self._side_files()]
         return classification_pipeline(files, idx, self.bs, partial(self._graph, device_id), device_id, self.shuffle, seed,

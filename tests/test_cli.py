@@ -12,6 +12,7 @@ from PIL import Image
 
 from dali_fastai import cli, training
 from dali_fastai.layouts import dataloaders_for
+from dali_fastai.loader import DaliDataLoader
 
 
 def image_folder(root:Path, splits=('train', 'valid'), n:int=4)->Path:
@@ -86,6 +87,20 @@ def test_valid_pct_is_passed_through(tmp_path, monkeypatch):
     assert seen['valid_pct'] == 0.3
     seen.clear(); cli.main(['train', str(tmp_path)])
     assert 'valid_pct' not in seen and signature(cli.train).parameters['valid_pct'].default is None  # a folder with valid/ uses it
+
+
+def test_hw_decoder_load_reaches_every_tasks_loaders(tmp_path, monkeypatch):
+    "`--hw-decoder-load F` (the distributed docs' lever for a heavy model under DDP) is each task's loaders' `hw_decoder_load`; left out, their own default; out of range, the flag is named"
+    data = image_folder(tmp_path/'data')
+    made = []  # the learners the command built, not fitted: their loaders are what this test reads
+    monkeypatch.setattr(training, 'fit_and_report', lambda learn, *args, **kwargs: made.append(learn))
+    for task,where in (('classification', [str(data)]), ('detection', []), ('segmentation', [])):
+        cli.main(['train', '--task', task, *where, '--device', 'cpu', '--size', '32', '--bs', '4', '--hw-decoder-load', '0'])
+        assert made[-1].dls.train.hw_decoder_load == made[-1].dls.valid.hw_decoder_load == 0., task
+    cli.main(['train', str(data), '--device', 'cpu', '--size', '32', '--bs', '4'])
+    assert made[-1].dls.train.hw_decoder_load == signature(DaliDataLoader).parameters['hw_decoder_load'].default
+    with pytest.raises(SystemExit, match=r'--hw-decoder-load must be a number from 0 to 1, got 1\.5'):
+        cli.main(['train', str(data), '--device', 'cpu', '--hw-decoder-load', '1.5'])
 
 
 def test_valid_pct_splits_at_random(tmp_path):

@@ -106,6 +106,23 @@ def test_unshard_restores_the_whole_set(files):
     assert flat(epoch_items(dl)) == list(range(9))
 
 
+def test_a_shard_keeps_no_decoder_beside_its_pipelines(files, monkeypatch):
+    "One GPU: a decoder kept for the process (`keep_decoder`); a shard of several (DDP), whose ranks start decoders at once: none"
+    import dali_fastai.loader as loader
+    kept,loads = [],[]
+    monkeypatch.setattr(loader, 'keep_decoder', lambda device_id, load: kept.append(load))
+    dl = index_loader(files[:8], 2, seed=0, hw_decoder_load=0.5)
+    build = dl.recipe.build
+    monkeypatch.setattr(dl.recipe, 'build', lambda *a, **kw: loads.append(kw['hw_decoder_load']) or build(*a, **kw))
+    epoch_items(dl)
+    assert kept == [0.5], "alone: one decoder kept, with the loader's share for the hardware decoder"
+    epoch_items(dl.shard(1, 2))
+    assert kept == [0.5], "a shard: no decoder kept"
+    assert loads == [0.5, 0.5], "the share the user gave reaches every pipeline's decoder, shard or not"
+    epoch_items(dl.shard(0, 1))
+    assert kept == [0.5, 0.5], "unsharded again: kept (once a process: `keep_decoder` itself skips a GPU it holds one for)"
+
+
 def test_dali_shard_is_a_distributed_dl_fastai_leaves_alone(files):
     dl = index_loader(files[:10], 4, seed=0)
     s = DaliShard(dl.shard(0, 2))

@@ -243,6 +243,7 @@ def test_ddp_bench_has_a_graph_row_and_scales_to_every_count(tmp_path, monkeypat
     assert runs == [(1, ('--bs', '8', '--synthetic')), (4, ('--bs', '8', '--synthetic')), (1, ('--bs', '8', '--sync-bn')),
                     (4, ('--bs', '8', '--sync-bn'))], "only the cases asked for; sync_bn on one GPU runs when the row above did not"
     t = ddp.table(json.loads(out.read_text()), [1, 2], 8)
+    assert '| img/s, resnet50 bf16, bs 8/GPU | 1 GPU | 2 GPUs | 2 vs 1 |' in t and 'resnet18 bf16' in ddp.table({}, [1], 8, 'resnet18')
     assert '| 1 GPU | 2 GPUs | 2 vs 1 |' in t and '| fastai + dali_fastai + FastStep(graph=True), `distrib_ctx(sync_bn=False)` | 100 | 200 | 2.00x |' in t
 
 
@@ -256,7 +257,7 @@ def test_ddp_bench_passes_the_loader_levers_to_every_case(tmp_path, monkeypatch)
                                       '--hw-decoder-load', '1.0', '--no-priority-stream', '--no-kept-decoder',
                                       '--n-per-class', '4', '--out', str(tmp_path/'o.json')])
     ddp.main()
-    assert runs == [('--bs', '128', '--size', '224', '--n-per-class', '4', '--epochs', '4', '--num-threads', '3',
+    assert runs == [('--arch', 'resnet50', '--bs', '128', '--size', '224', '--n-per-class', '4', '--epochs', '4', '--num-threads', '3',
                      '--hw-decoder-load', '1.0', '--no-priority-stream', '--no-kept-decoder', '--loader-only')], runs
     seen = {}
     def made(*args, **kwargs): seen.update(kwargs); raise SystemExit  # the loaders' arguments are all this test wants

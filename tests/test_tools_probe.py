@@ -56,6 +56,7 @@ def test_ddp_bench_separates_the_loader_the_model_and_fastai():
     assert type(theirs).__name__ == 'Sequential' and type(plain).__name__ == 'ResNet'  # fastai's body + head
     # trained as `Learner.fit` trains: every layer in training mode (create_vision_model leaves its body in eval mode)
     assert all(m.training for m in ddp.plain_model(True).modules()) and all(m.training for m in ddp.plain_model(False).modules())
+    assert ddp.plain_model(False, arch='resnet18').layer1[0].__class__.__name__ == 'BasicBlock'  # `--arch`: the model asked for
 
 
 def test_step_times_split_steps_inside_and_into_an_epoch():

@@ -22,10 +22,11 @@ it stopped when started again (`--fresh` starts over, `--cases 1,3` runs only th
 loaders' DALI threads and stream, in every case); it makes the image set large enough that each rank trains on
 about `--images-per-rank` images an epoch on the most GPUs (an epoch of several seconds). Every img/s is the steady
 pace of the epochs after the first (a fit's start is not in it); each case's line also gives the img/s of all its epochs,
-the first included, which is what a short run waits for. The numbers of 2026-11-27 are in
-nbs/images/ddp_h200x4_20261127.txt (4 H200s) and ddp_h200x2_20261127b.txt (2 H200s; those of 2026-11-24 in
-ddp_h200x2.txt), and the distributed notebook's "Throughput". The `--synthetic --graph` and `--auto` rows have not run on
-GPUs yet."""
+the first included, which is what a short run waits for. `--arch resnet18` (or resnet34) trains a lighter model than
+resnet50 in every case. The numbers of 2026-11-27 are in nbs/images/ddp_h200x4_20261127.txt and
+ddp_h200x4_20261127b.txt (4 H200s), ddp_levers_h100x4_20261127.txt (4 H100s: `--hw-decoder-load`, `--no-kept-decoder`,
+`--arch resnet18`) and ddp_h200x2_20261127b.txt (2 H200s; those of 2026-11-24 in ddp_h200x2.txt), and the distributed
+notebook's "Throughput"."""
 import argparse, contextlib, json, math, os, subprocess, sys, tempfile, time
 from functools import partial
 from pathlib import Path
@@ -41,7 +42,9 @@ from fastai.distributed import *  # noqa: F401,F403 (adds Learner.distrib_ctx)
 from fastai.metrics import accuracy
 from fastai.optimizer import OptimWrapper
 from fastai.vision.learner import vision_learner, create_vision_model
-from torchvision.models import resnet50
+from torchvision.models import resnet18, resnet34, resnet50
+
+ARCHS = {'resnet18': resnet18, 'resnet34': resnet34, 'resnet50': resnet50}
 
 import dali_fastai.loader
 from dali_fastai.measure import BENCH_PHOTOS, bench_images
@@ -71,12 +74,13 @@ def loader_epochs(dl, epochs:int)->list:
 
 def fit_epochs(dls, epochs:int, world:int, sync_bn:bool, bar:bool=True, fused:bool=False, fast_step:bool=False,
                graph:bool|str=False, # `FastStep(graph=...)`: True, False, or 'auto' (its default: captured where faster)
+               arch:str='resnet50', # the model, one of `ARCHS`
               )->list:
-    "Wall time of the training phase of each of `epochs` epochs of a resnet50 (bf16, channels_last) fit, and `start_costs` after it"
+    "Wall time of the training phase of each of `epochs` epochs of an `arch` (bf16, channels_last) fit, and `start_costs` after it"
     timer = EpochTimer()
     kw = dict(opt_func=partial(OptimWrapper, opt=torch.optim.AdamW, fused=True)) if fused else {}
     cbs = [DaliDistributed(), timer, *([FastStep(graph=graph)] if fast_step or graph else [])]
-    learn = vision_learner(dls, resnet50, metrics=accuracy, pretrained=False, cbs=cbs, **kw).to_bf16()
+    learn = vision_learner(dls, ARCHS[arch], metrics=accuracy, pretrained=False, cbs=cbs, **kw).to_bf16()
     learn.model = learn.model.to(memory_format=torch.channels_last)
     # one GPU: a plain fit (fastai's DistributedTrainer assumes a DDP-wrapped model, which one process does not get)
     with learn.distrib_ctx(sync_bn=sync_bn) if world > 1 else contextlib.nullcontext(), \
@@ -85,11 +89,11 @@ def fit_epochs(dls, epochs:int, world:int, sync_bn:bool, bar:bool=True, fused:bo
     return timer.times,start_costs(learn)
 
 
-def plain_model(fastai_model:bool, c:int=10):
-    "torchvision's resnet50, or the resnet50 `vision_learner` builds (fastai's head), untrained, in training mode"
+def plain_model(fastai_model:bool, c:int=10, arch:str='resnet50'):
+    "torchvision's `arch`, or the `arch` `vision_learner` builds (fastai's head), untrained, in training mode"
     # `.train()`: `create_vision_model` leaves its body in eval mode (the dummy pass that counts its features), and
     # `Learner.fit` sets training mode but a plain loop must (without it, the rows of nbs/images/ddp_h200x2.txt marked wrong)
-    return (create_vision_model(resnet50, c, pretrained=False) if fastai_model else resnet50(num_classes=c)).train()
+    return (create_vision_model(ARCHS[arch], c, pretrained=False) if fastai_model else ARCHS[arch](num_classes=c)).train()
 
 
 def plain_epochs(epochs:int, batches, # `batches()`: one epoch's (x, y) batches, on this rank's GPU
@@ -97,10 +101,11 @@ def plain_epochs(epochs:int, batches, # `batches()`: one epoch's (x, y) batches,
                  loader_stream:bool=False, # the batches come from a DALI loader, which runs the step on `priority_stream`
                  graph:bool=False, # the module's forward and backward captured as CUDA graphs, as `FastStep(graph=True)` does
                  spent:dict|None=None, # gets 'graph capture': the seconds `make_graphed_callables` took
+                 arch:str='resnet50', # the model, one of `ARCHS`
                 )->list:
-    "Wall time of `epochs` epochs of resnet50 steps (bf16 autocast, channels_last, Adam) in a plain PyTorch (DDP) loop"
+    "Wall time of `epochs` epochs of `arch` steps (bf16 autocast, channels_last, Adam) in a plain PyTorch (DDP) loop"
     dev = torch.device('cuda', torch.cuda.current_device())
-    model = plain_model(fastai_model).to(dev, memory_format=torch.channels_last)
+    model = plain_model(fastai_model, arch=arch).to(dev, memory_format=torch.channels_last)
     if world > 1:
         torch.distributed.init_process_group('nccl', device_id=dev)
         # DDP built on the stream the loop's steps run on: it keeps the parameters' AccumulateGrad nodes, made on the stream
@@ -166,10 +171,10 @@ def n_per_class_for(images_per_rank:int, most:int, n_classes:int=len(BENCH_PHOTO
     return max(least, math.ceil(images_per_rank*most/(0.8*n_classes)))
 
 
-def table(rows:dict, counts:list, bs:int)->str:
+def table(rows:dict, counts:list, bs:int, arch:str='resnet50')->str:
     "The markdown table of `rows` ({case name: {n_gpus: img/s}}): img/s on each count of GPUs, and each count against 1"
     head = ' | '.join(f'{n} GPU{"s" if n > 1 else ""}' + (f' | {n} vs 1' if n > 1 else '') for n in counts)
-    lines = [f"| img/s, resnet50 bf16, bs {bs}/GPU | {head} |", '|---' * (1 + 2*len(counts) - 1) + '|']
+    lines = [f"| img/s, {arch} bf16, bs {bs}/GPU | {head} |", '|---' * (1 + 2*len(counts) - 1) + '|']
     for name,_ in CASES:
         got = rows.get(name, {})
         cells = []
@@ -183,6 +188,7 @@ def table(rows:dict, counts:list, bs:int)->str:
 
 def compare(counts:list, args:list, bs:int, out:Path, fresh:bool=False,
             cases:list|None=None, # numbers (1-based) of the cases of `CASES` to run; None: all of them
+            arch:str='resnet50', # the model the cases train (in `args` too), for the table's title
            ):
     "Every case of `CASES` on each of `counts` GPUs (with one GPU, sync_bn changes nothing: fastai's BatchNorm stays), kept in `out` as they finish; then one table"
     rows = {} if fresh or not out.exists() else json.loads(out.read_text())
@@ -195,7 +201,7 @@ def compare(counts:list, args:list, bs:int, out:Path, fresh:bool=False,
             got[str(n)] = same if same is not None else run_case(n, args + extra)
             out.write_text(json.dumps(rows, indent=1))
         print(f"ddp_bench: {i + 1} of {len(CASES)} cases done ({out})", flush=True)  # the numbers so far are in the lines above
-    print('\n' + table(rows, counts, bs))
+    print('\n' + table(rows, counts, bs, arch))
 
 
 def loader_builds(dls)->dict:
@@ -211,6 +217,7 @@ def paid(costs:dict, builds:dict)->str:
 
 def main():
     p = argparse.ArgumentParser()
+    p.add_argument('--arch', default='resnet50', choices=sorted(ARCHS), help="the model (default: resnet50)")
     p.add_argument('--path', default=None); p.add_argument('--bs', type=int, default=128); p.add_argument('--size', type=int, default=224)
     p.add_argument('--n-per-class', type=int, default=None, help="images a class of the generated set (default: 2000; "
                    "with --compare, enough for --images-per-rank)"); p.add_argument('--epochs', type=int, default=4)
@@ -237,8 +244,8 @@ def main():
     p.add_argument('--hw-decoder-load', type=float, default=None, help="the loaders' share of JPEGs for the GPU's hardware "
                    "decoder (default: HW_DECODER_LOAD, 0.65; the rest decode on the SMs, beside the step and NCCL): 1.0 "
                    "leaves the SMs to training, what the loader's cost under DDP may owe to them")
-    p.add_argument('--no-kept-decoder', action='store_true', help="no decoder kept beside the pipelines (`keep_decoder`): "
-                   "each rank starts two JPEG decoders instead of three, what the kept one costs a DDP fit's first epoch")
+    p.add_argument('--no-kept-decoder', action='store_true', help="no decoder kept beside the pipelines (`keep_decoder`), "
+                   "on one GPU too: under DDP the loaders keep none since 2026-11-27, so this changes only the 1-GPU case")
     p.add_argument('--no-priority-stream', action='store_true', help="the loaders leave PyTorch's work on the caller's "
                    "stream (priority_stream=False): what their high-priority stream is worth")
     p.add_argument('--result', default=None, help='rank 0 writes {"img_s": ...} here')
@@ -246,12 +253,12 @@ def main():
     if a.compare:
         most = torch.cuda.device_count() if a.compare == 'max' else int(a.compare)
         if a.n_per_class is None and a.path is None: a.n_per_class = n_per_class_for(a.images_per_rank, most)
-        keep = [x for k in ('path', 'bs', 'size', 'n_per_class', 'epochs', 'num_threads', 'hw_decoder_load') if getattr(a, k) is not None
+        keep = [x for k in ('arch', 'path', 'bs', 'size', 'n_per_class', 'epochs', 'num_threads', 'hw_decoder_load') if getattr(a, k) is not None
                 for x in (f"--{k.replace('_', '-')}", str(getattr(a, k)))] + ['--no-priority-stream']*a.no_priority_stream + ['--no-kept-decoder']*a.no_kept_decoder
         cases = [int(c) for c in a.cases.split(',')] if a.cases else None
         if cases and not all(1 <= c <= len(CASES) for c in cases):
             raise SystemExit(f"--cases {a.cases}: each must be a row of the table, 1 to {len(CASES)}")
-        return compare(gpu_counts(most), keep, a.bs, Path(a.out), a.fresh, cases)
+        return compare(gpu_counts(most), keep, a.bs, Path(a.out), a.fresh, cases, a.arch)
     if a.no_kept_decoder: dali_fastai.loader.keep_decoder = lambda *args: None  # a probe's switch, as tools/session_starts.py's
     rank, world = int(os.environ.get('RANK', 0)), int(os.environ.get('WORLD_SIZE', 1))
     torch.cuda.set_device(int(os.environ.get('LOCAL_RANK', 0)))
@@ -260,21 +267,21 @@ def main():
                                       priority_stream=not a.no_priority_stream,
                                       **({} if a.hw_decoder_load is None else {'hw_decoder_load': a.hw_decoder_load}))
     n_imgs = len(dls.train.shard(rank, world, seed=0))*a.bs  # a rank's training images an epoch, as the fit shards them
-    model = "fastai's resnet50" if a.fastai_model else 'resnet50'
+    model = f"fastai's {a.arch}" if a.fastai_model else a.arch
     costs = {}  # what the first epoch paid for: seconds of pipeline builds and graph capture, where the case has them
     if a.synthetic:
-        times = plain_epochs(a.epochs, synthetic_batches(n_imgs//a.bs, a.bs, a.size), world, a.fastai_model, graph=a.graph, spent=costs)
+        times = plain_epochs(a.epochs, synthetic_batches(n_imgs//a.bs, a.bs, a.size), world, a.fastai_model, graph=a.graph, spent=costs, arch=a.arch)
         what = f"{model} bf16, synthetic data, plain DDP{', captured' if a.graph else ''}"
     elif a.plain_dali:
         dl = dls.train.shard(rank, world, seed=0).to(torch.device('cuda', torch.cuda.current_device()))
-        times,what = (plain_epochs(a.epochs, lambda: dl, world, a.fastai_model, loader_stream=not a.no_priority_stream),
+        times,what = (plain_epochs(a.epochs, lambda: dl, world, a.fastai_model, loader_stream=not a.no_priority_stream, arch=a.arch),
                       f'{model} bf16, dali_fastai shard, plain DDP')
     elif a.loader_only: times,what,costs = loader_epochs(dls.train, a.epochs),'loader only',{'pipeline builds': build_seconds(dls)}
     else:
         graph = 'auto' if a.auto else a.graph
         times,costs = fit_epochs(dls, a.epochs, world, a.sync_bn, bar=not a.no_bar, fused=a.fused_adamw, fast_step=a.fast_step or a.auto,
-                           graph=graph)
-        what = (f"resnet50 bf16, fastai + dali_fastai, sync_bn={a.sync_bn}{', no progress bar' if a.no_bar else ''}"
+                           graph=graph, arch=a.arch)
+        what = (f"{a.arch} bf16, fastai + dali_fastai, sync_bn={a.sync_bn}{', no progress bar' if a.no_bar else ''}"
                 f"{', fused AdamW' if a.fused_adamw else ''}{f', FastStep(graph={graph!r})' if a.fast_step or a.graph or a.auto else ''}")
     img_s = n_imgs*world*(len(times)-1)/sum(times[1:])
     whole = n_imgs*world*len(times)/sum(times)  # what the user waits for: the first epoch (builds, capture, cuDNN) included

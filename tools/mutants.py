@@ -203,6 +203,8 @@ MUTANTS = [
     ('epoch', "        self._new = weakref.ref(source) if source is not None and source.unread else None",
               "        self._new = weakref.ref(source) if source is not None else None",
               "every epoch's first batch counted as a new pipeline's"),
+    ('loader', "        if self.world_size == 1: keep_decoder(device_id, self.hw_decoder_load)",
+               "        keep_decoder(device_id, self.hw_decoder_load)", "a DDP shard keeps a third decoder a rank"),
 ]
 
 FAST = ['tests/test_defaults.py', 'tests/test_augment_stats.py']
