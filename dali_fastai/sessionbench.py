@@ -146,8 +146,8 @@ def session_bench(root:str|Path|None=None, # ImageNet-style folder; default: the
     res = dict(machine=machine_info(device), settings=dict(root=str(root), device=str(device), seeds=list(seeds), **kwargs), runs={})
     for v in variants:
         res['runs'][v] = [run(v, root=root, seed=s, device=str(device), **kwargs) for s in seeds]
-        for r in res['runs'][v]:
-            print(f"{v}, seed {r.get('seed', '')}: " + (r['error'] if 'error' in r else f"{r['phases']['session']:.1f} s"), flush=True)
+        for s,r in zip(seeds, res['runs'][v]):
+            print(f"{v}, seed {s}: " + (r['error'] if 'error' in r else f"{r['phases']['session']:.1f} s"), flush=True)
     print(format_session(res))
     return res
 

@@ -179,3 +179,40 @@ def test_gpus_accuracy_reads_the_line_train_prints(tmp_path, capsys):
     m = load_tool('gpus_accuracy').DONE.search(out)
     assert m is not None, out
     assert 0 <= float(m['acc']) <= 1 and float(m['loss']) > 0
+
+
+def test_cpu_decode_session_decodes_on_the_cpu_and_hands_the_images_to_the_gpu(monkeypatch):
+    "tools/cpu_decode_session.py: a decoder asked for the GPU decodes on DALI's CPU threads, without the GPU-only arguments, then `.gpu()`; a CPU one stays"
+    cds = load_tool('cpu_decode_session')
+    calls = []
+    class Node:
+        def __init__(self, where): self.where = where
+        def gpu(self): return Node('gpu')
+    class Real:
+        def image(self, *args, **kwargs): calls.append(kwargs); return Node(kwargs['device'])
+    dec = cds.CpuDecoders(Real())
+    assert dec.image('encoded', device='mixed', output_type='RGB', hw_decoder_load=0.65, preallocate_width_hint=1024).where == 'gpu'
+    assert calls[-1] == {'device': 'cpu', 'output_type': 'RGB'}
+    assert dec.image('encoded', device='cpu').where == 'cpu'
+    import dali_fastai.pipeline as pipeline, dali_fastai.steps as steps
+    for m,k in ((pipeline, 'fn'), (steps, 'fn'), (pipeline, 'default_threads')): monkeypatch.setattr(m, k, getattr(m, k))  # put back after
+    cds.decode_on_cpu(12)
+    assert isinstance(pipeline.fn, cds.CpuDecodingFn) and isinstance(steps.fn, cds.CpuDecodingFn) and pipeline.default_threads() == 12
+    assert pipeline.fn.resize is pipeline.fn.fn.resize, "every other operator is DALI's own"
+    cds.decode_on_cpu()
+    assert not isinstance(pipeline.fn.fn, cds.CpuDecodingFn) and pipeline.default_threads() == 12, "applied twice: wrapped once"
+
+
+def test_cpu_decode_session_runs_its_variant_in_a_process_of_its_own(tmp_path):
+    "The CPU-decode variant's session, in a fresh process (on the CPU backend the swap changes nothing): the session bench's phases, under its own name"
+    from dali_fastai.datasets import fashion_mnist
+    cds = load_tool('cpu_decode_session')
+    src = fashion_mnist()
+    for split,n in (('train', 8), ('valid', 4)):
+        for d in sorted((src/split).iterdir()):
+            (tmp_path/split/d.name).mkdir(parents=True)
+            for f in sorted(d.iterdir())[:n]: (tmp_path/split/d.name/f.name).symlink_to(f)
+    r = cds.run(cds.CPU_DECODE, threads=2, root=tmp_path, size=28, bs=8, epochs=1, n_predict=2, lr_find_its=4, device='cpu')
+    assert 'error' not in r, r
+    assert r['variant'] == cds.CPU_DECODE and r['builds'] == 2 and r['n_valid'] == 4*len(list((src/'valid').iterdir()))
+    assert {'lr_find', 'fine_tune', 'get_preds', 'session'} <= set(r['phases'])
