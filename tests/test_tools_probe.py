@@ -214,5 +214,6 @@ def test_cpu_decode_session_runs_its_variant_in_a_process_of_its_own(tmp_path):
             for f in sorted(d.iterdir())[:n]: (tmp_path/split/d.name/f.name).symlink_to(f)
     r = cds.run(cds.CPU_DECODE, threads=2, root=tmp_path, size=28, bs=8, epochs=1, n_predict=2, lr_find_its=4, device='cpu')
     assert 'error' not in r, r
+    assert r['cpu_decode'] == {'swapped': True, 'threads': 2}, "the child swapped the decoders and the threads before its session"
     assert r['variant'] == cds.CPU_DECODE and r['builds'] == 2 and r['n_valid'] == 4*len(list((src/'valid').iterdir()))
     assert {'lr_find', 'fine_tune', 'get_preds', 'session'} <= set(r['phases'])

@@ -14,7 +14,7 @@ threads and hand the images to the GPU (`.gpu()`), and each pipeline gets `--thr
 `default_threads()`'s 8 at most. On the CPU backend it changes nothing: the decoders are on the CPU already. Written
 2026-11-27 after that day's device time was spent: it has not run on a GPU yet.
 """
-import argparse, json, subprocess, sys
+import argparse, json
 from functools import partial
 from pathlib import Path
 
@@ -51,29 +51,25 @@ def decode_on_cpu(threads:int|None=None):
 
 CHILD = r'''
 import json, sys
-sys.path.insert(0, sys.argv[1])
-from cpu_decode_session import decode_on_cpu, BASE, CPU_DECODE
+sys.path.insert(0, TOOLS)
+from cpu_decode_session import decode_on_cpu, BASE, CPU_DECODE, CpuDecodingFn
+import dali_fastai.pipeline as pipeline
 from dali_fastai.sessionbench import session_run
-kw = json.loads(sys.argv[2]); decode_on_cpu(kw.pop('threads'))
-r = session_run(BASE, **kw); r['variant'] = CPU_DECODE
+kw = json.loads(sys.argv[1]); decode_on_cpu(kw.pop('threads')); kw['variant'] = BASE
+r = session_run(**kw)
+r.update(variant=CPU_DECODE, cpu_decode=dict(swapped=isinstance(pipeline.fn, CpuDecodingFn), threads=pipeline.default_threads()))
 print('SESSION ' + json.dumps(r))
-'''
+'''.replace('TOOLS', repr(str(Path(__file__).parent)))
 
 
 def run(variant:str, # a variant of the session bench, or `CPU_DECODE`
         threads:int|None=None, # DALI's CPU threads a pipeline in the CPU-decode variant
         timeout:float=1800, **kwargs, # `session_run`'s settings
        )->dict:
-    "`session_bench`'s `run`: `run_variant` for the bench's own variants; `CPU_DECODE` in a fresh process decoding on the CPU"
+    "`session_bench`'s `run`: `run_variant` for the bench's own variants, and for `CPU_DECODE` with a child that decodes on the CPU"
     from dali_fastai.sessionbench import run_variant
     if variant != CPU_DECODE: return run_variant(variant, timeout, **kwargs)
-    args = json.dumps(dict(threads=threads, **{k: str(v) if isinstance(v, Path) else v for k,v in kwargs.items()}))
-    try: p = subprocess.run([sys.executable, '-c', CHILD, str(Path(__file__).parent), args], capture_output=True, text=True,
-                            timeout=timeout)
-    except subprocess.TimeoutExpired: return dict(variant=variant, error=f"stopped after {timeout:.0f} s")
-    line = next((l for l in reversed(p.stdout.splitlines()) if l.startswith('SESSION ')), None)
-    if line is None: return dict(variant=variant, error=(p.stderr.strip().splitlines() or [f'exit code {p.returncode}'])[-1])
-    return json.loads(line[len('SESSION '):])
+    return run_variant(variant, timeout, child=CHILD, threads=threads, **kwargs)
 
 
 def main(argv:list|None=None):
