@@ -18,7 +18,8 @@ with warnings.catch_warnings():
     from dali_fastai.draws import fastai_rng, HostDraws
     from dali_fastai.colour import COLOUR_TFMS, neg_logit, power_form, colour_unsupported, lighting_draws, colour_node
     from dali_fastai.pipeline import (HW_DECODER_HINT, IMAGENET_MEAN, IMAGENET_STD, read_files, decoder_args,
-        decode_random_crop, decode_center_crop, augment_steps, train_pipeline, valid_pipeline, keep_decoder, release_decoders)
+        decode_random_crop, decode_center_crop, augment_steps, train_pipeline, valid_pipeline, keep_decoder, release_decoders,
+        cpu_codecs, decoded)
     from dali_fastai.util import cache_dir, cached_file_values
     from dali_fastai.files import check_image, check_images
     from dali_fastai.steps import RandomBoxCrop, ItemStep, GeometryStep, ItemFlip
@@ -60,7 +61,7 @@ __all__ = ['warp_matrix', 'synthetic_warps', 'rotation_matrix', 'compose_matrice
            'affine_steps', 'subset_product_node', 'fastai_rng', 'HostDraws', 'COLOUR_TFMS', 'neg_logit',
            'power_form', 'colour_unsupported', 'lighting_draws', 'colour_node', 'HW_DECODER_HINT', 'IMAGENET_MEAN',
            'IMAGENET_STD', 'read_files', 'decoder_args', 'decode_random_crop', 'decode_center_crop', 'augment_steps',
-           'train_pipeline', 'valid_pipeline', 'keep_decoder', 'release_decoders', 'check_image', 'cache_dir', 'check_images', 'cached_file_values',
+           'train_pipeline', 'valid_pipeline', 'keep_decoder', 'release_decoders', 'cpu_codecs', 'decoded', 'check_image', 'cache_dir', 'check_images', 'cached_file_values',
            'RandomBoxCrop', 'ItemStep', 'GeometryStep', 'ItemFlip', 'ImageRecipe', 'fastai_recipe', 'keyword_recipe', 'geometry_outputs',
            'ImageBoxes', 'read_coco', 'read_voc', 'to_fastai', 'from_fastai', 'check_arg', 'check_settings',
            'FULL_CHECK_LIMIT', 'n_batches', 'batches_per_rank', 'priority_stream', 'DaliNormalize', 'default_drain_limit', 'Target',

@@ -68,6 +68,7 @@ SETTING_CHECKS = {  # a loader setting: (types, what it must be, a further test)
     'dtype': (str, "'float32' or 'float16'", lambda v: v in ('float32', 'float16')),
     'crop_pct': (float, 'a number in (0, 1]', lambda v: 0 < v <= 1),
     'hw_decoder_load': (float, 'a number from 0 to 1', lambda v: 0 <= v <= 1),
+    'decode_on': (str, "'gpu' or 'cpu'", lambda v: v in ('gpu', 'cpu')),
     'p_hflip': _PROBABILITY, 'p_vflip': _PROBABILITY, 'p_rotate': _PROBABILITY, 'p_warp': _PROBABILITY, 'p_lighting': _PROBABILITY,
     'rotate_range': ((tuple, list), '(low, high) in degrees', _numbers(2)),
     'area': ((tuple, list), '(low, high), shares of the image', _numbers(2, positive=True)),

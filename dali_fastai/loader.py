@@ -9,6 +9,7 @@ __all__ = ['AUG_OPTIONS', 'DaliDataLoader']
 
 # %% ../nbs/05_loader.ipynb #20a7e3fb
 import inspect
+from contextlib import nullcontext
 from functools import partial
 import numpy as np
 import torch
@@ -25,7 +26,7 @@ from dali_fastai.items import (ImageItems, usable_items, FULL_CHECK_LIMIT, _is_d
 from .epoch import (n_batches, batches_per_rank, interleaved_order, as_device, dali_device_id,
     priority_stream, DaliEpoch, PipelineSource, derived_seed, _RANK_STREAM, to_device_async, default_drain_limit,
     _same, _fed_source, FedSource)
-from .pipeline import classification_pipeline, augment, keep_decoder, HW_DECODER_LOAD
+from .pipeline import classification_pipeline, augment, keep_decoder, cpu_codecs, default_threads, HW_DECODER_LOAD
 from .recipe import ImageRecipe, geometry_outputs
 # `DaliNormalize` lived here: learners exported before it moved to `translate` name `dali_fastai.loader.DaliNormalize`
 from .translate import _recipes, DaliNormalize, _after_batch, _work_after
@@ -53,13 +54,14 @@ class DaliDataLoader(BatchDisplay):
                  drop_last:bool|None=None, # drop the last partial batch; default: `train`
                  device:str|torch.device|None=None, # where batches land and DALI runs; default: the GPU if visible
                  seed:int|None=None, # seed for order, augmentation and the fixed warps; None: random
-                 num_threads:int|None=None, # DALI CPU threads; default: `default_threads()`
+                 num_threads:int|None=None, # DALI CPU threads; default: `default_threads(decode_on)` (every core, a rank's share, with decode_on='cpu')
                  prefetch:int=2, # batches DALI prepares ahead
                  mean:tuple|None=None, # normalization mean, 0..1 scale; default: ImageNet's with keywords, fastai's `Normalize` with fastai transforms
                  std:tuple|None=None, # normalization std, 0..1 scale; likewise
                  dtype:str='float32', # 'float32' or 'float16' images
                  crop_pct:float=0.875, # validation with keywords: centre crop's share of the resized shorter side
                  hw_decoder_load:float=HW_DECODER_LOAD, # GPU: share of JPEGs for the hardware JPEG decoder (A100, H100, H200)
+                 decode_on:str='gpu', # GPU: decode JPEGs on the 'gpu', or on DALI's 'cpu' threads (no GPU decoder to start: `cpu_codecs`)
                  priority_stream:bool=True, # GPU: while iterated, PyTorch works on a high-priority stream (`priority_stream`)
                  drain_limit:int|None=None, # an abandoned epoch with at most this many batches left is drained, else rebuilt; None: `default_drain_limit(device)`
                  skip_bad_files:bool=False, # leave out files that fail `check_images` (with one warning), instead of raising
@@ -151,7 +153,7 @@ class DaliDataLoader(BatchDisplay):
 
     def _graph(self, device_id:int|None, encoded, *side_encoded)->tuple:
         "The images; with geometric targets, the window and matrix; then what each side target makes of its files"
-        kw = dict(device_id=device_id, hw_decoder_load=self.hw_decoder_load, dtype=self.dtype)
+        kw = dict(device_id=device_id, hw_decoder_load=self.hw_decoder_load, dtype=self.dtype, decode_on=self.decode_on)
         if not self._geometric: return self.recipe.build(encoded, **kw)
         sides = self._sides
         boxes = fn.reinterpret(side_encoded[len(sides)], dtype=types.FLOAT, shape=[-1, 4]) if len(side_encoded) > len(sides) else None
@@ -173,13 +175,18 @@ class DaliDataLoader(BatchDisplay):
         device_id = dali_device_id(self.device)
         # the JPEG decoder's start paid once a process (see `keep_decoder`); not for a DDP shard, whose ranks start their
         # decoders at once: there a third decoder a rank cost each rank's first epoch 2.4 s on 4 GPUs (distributed notebook)
-        if self.world_size == 1: keep_decoder(device_id, self.hw_decoder_load)
+        if self.world_size == 1 and self.decode_on == 'gpu': keep_decoder(device_id, self.hw_decoder_load)
         # fed (`fed_by`): the feed serves the files of each epoch, sides included; else a reader over these items
         side = [] if self._fed else [[f[i] for i in idx] for f in self._side_files()]
-        return classification_pipeline(files, idx, self.bs, partial(self._graph, device_id), device_id, self.shuffle, seed,
-                                       self.num_threads, self.prefetch, self.rank, self.world_size, order_seed, checkpoint,
+        on_cpu = device_id is None or self.decode_on == 'cpu'  # every decoder on the CPU
+        threads = self.num_threads or default_threads(self.decode_on if device_id is not None else 'gpu', self.world_size)
+        pipe = classification_pipeline(files, idx, self.bs, partial(self._graph, device_id), device_id, self.shuffle, seed,
+                                       threads, self.prefetch, self.rank, self.world_size, order_seed, checkpoint,
                                        side_files=side, reader=self._source.feed.reader if self._fed else self.items.read,
                                        host_labels=self._geometric)
+        # built here: with every decoder on the CPU, nvImageCodec is shown only its CPU extensions meanwhile (`cpu_codecs`)
+        with cpu_codecs() if on_cpu else nullcontext(): pipe.build()
+        return pipe
 
     def _iterator(self)->DALIGenericIterator:
         "The DALI iterator for the current split and shard (the order is the same on every rank; augmentation differs)"

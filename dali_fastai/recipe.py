@@ -111,12 +111,13 @@ class ImageRecipe:
                device_id:int|None=None, # GPU id, or None for the CPU backend
                hw_decoder_load:float=HW_DECODER_LOAD, # GPU only: share of JPEGs given to the hardware JPEG decoder
                boxes:DataNode|None=None, # each item's boxes, for an item step that crops around them (`needs_boxes`)
+               decode_on:str='gpu', # GPU only: decode on the 'gpu' or on DALI's 'cpu' threads (`decoder_args`)
               )->tuple: # (item images HWC uint8, per-sample source window `(x0, y0, x1, y1)`)
         "The item step: decode, crop or pad, resize"
         if self.item is None:
             raise ValueError("this recipe has no item transform to give every image one size: add Resize(...) or "
                              "RandomResizedCrop(...) to item_tfms")
-        return self.item.decode(encoded, device_id, hw_decoder_load, boxes)
+        return self.item.decode(encoded, device_id, hw_decoder_load, boxes, decode_on)
 
     def _draws(self)->tuple:
         "(matrix from output to item pixels, matrix the resample reads, colour terms): from fastai's host draws where it draws"
@@ -156,9 +157,10 @@ class ImageRecipe:
               hw_decoder_load:float=HW_DECODER_LOAD, # GPU only: share of JPEGs given to the hardware JPEG decoder
               dtype:str='float32', # 'float32' or 'float16'
               boxes:DataNode|None=None, # each item's boxes, for an item step that crops around them (`needs_boxes`)
+              decode_on:str='gpu', # GPU only: decode on the 'gpu' or on DALI's 'cpu' threads (`decoder_args`)
              )->dict: # `images` (CHW normalized), `window` and `matrix` (None where there is none)
         "The whole graph, with the per-sample crop window and matrix that other targets need to follow the images"
-        images,window = self.decode(encoded, device_id, hw_decoder_load, boxes)
+        images,window = self.decode(encoded, device_id, hw_decoder_load, boxes, decode_on)
         m_item,m_in,terms = self._draws()
         images,scale = self.resample(images, m_in),255.
         if self.colour:  # floats from here on; the first colour step divides by 255 where it costs nothing
@@ -170,9 +172,10 @@ class ImageRecipe:
               device_id:int|None=None, # GPU id, or None for the CPU backend
               hw_decoder_load:float=HW_DECODER_LOAD, # GPU only: share of JPEGs given to the hardware JPEG decoder
               dtype:str='float32', # 'float32' or 'float16'
+              decode_on:str='gpu', # GPU only: decode on the 'gpu' or on DALI's 'cpu' threads (`decoder_args`)
              )->DataNode: # CHW normalized images
         "The images' graph"
-        return self.graph(encoded, device_id, hw_decoder_load, dtype)['images']
+        return self.graph(encoded, device_id, hw_decoder_load, dtype, decode_on=decode_on)['images']
 
     def with_normalize(self, mean, std)->'ImageRecipe':
         "The same recipe, normalizing in DALI; in fastai when a leftover must see the images before `Normalize`"
@@ -205,13 +208,13 @@ class KeywordRecipe(ImageRecipe):
                      if train else [('crop_pct', 'fn.decoders.image → fn.resize (shorter side) → fn.crop (centre)')])
         self.rows.append(('mean, std', 'fn.crop_mirror_normalize' + (' (mean/std)' if mean is not None else ' (scale to 0..1)')))
 
-    def _decode(self, encoded, device_id, hw_decoder_load):
-        if self.train: return decode_random_crop(encoded, self.size, device_id, self.area, self.ratio, hw_decoder_load)
-        return decode_center_crop(encoded, self.size, device_id, self.crop_pct, hw_decoder_load)
+    def _decode(self, encoded, device_id, hw_decoder_load, decode_on):
+        if self.train: return decode_random_crop(encoded, self.size, device_id, self.area, self.ratio, hw_decoder_load, decode_on)
+        return decode_center_crop(encoded, self.size, device_id, self.crop_pct, hw_decoder_load, decode_on)
 
-    def graph(self, encoded, device_id=None, hw_decoder_load=HW_DECODER_LOAD, dtype='float32', boxes=None)->dict:
+    def graph(self, encoded, device_id=None, hw_decoder_load=HW_DECODER_LOAD, dtype='float32', boxes=None, decode_on='gpu')->dict:
         "`images`; `augment` composes its matrices inside, so `window` and `matrix` are None"
-        images = self._decode(encoded, device_id, hw_decoder_load)
+        images = self._decode(encoded, device_id, hw_decoder_load, decode_on)
         if self.train: images = augment(images, self.size, **self.aug)
         stats = ((0., 0., 0.), (1., 1., 1.)) if self.mean is None else (self.mean, self.std)
         return dict(images=normalize(images, *stats, dtype), window=None, matrix=None)
@@ -237,9 +240,10 @@ def geometry_outputs(recipe:ImageRecipe, # a recipe made from fastai transforms
                      hw_decoder_load:float=HW_DECODER_LOAD, # GPU only: share of JPEGs given to the hardware JPEG decoder
                      dtype:str='float32', # 'float32' or 'float16'
                      boxes:DataNode|None=None, # each item's boxes, for an item step that crops around them (`recipe.needs_boxes`)
+                     decode_on:str='gpu', # GPU only: decode on the 'gpu' or on DALI's 'cpu' threads (`decoder_args`)
                     )->tuple: # (images, `[4]` source window, `[3, 3]` map from output to item pixels), per sample
     "The images and the per-sample geometry that boxes and points follow"
-    g = recipe.graph(encoded, device_id, hw_decoder_load, dtype, boxes)
+    g = recipe.graph(encoded, device_id, hw_decoder_load, dtype, boxes, decode_on)
     if g['window'] is None: raise ValueError(
         "boxes and points follow fastai transforms, and this loader uses the augmentation keywords (which report no geometry): "
         "pass item_tfms=Resize(...) or RandomResizedCrop(...), and batch_tfms=aug_transforms(...) for augmentation")

@@ -22,7 +22,7 @@ from fastai.vision.augment import (Resize, RandomResizedCrop, RandomCrop, FlipIt
 from fastai.vision.augment import _WarpCoord
 from .augment import hw
 from .draws import stand_in, check_draw, independent
-from .pipeline import HW_DECODER_LOAD, decoder_args
+from .pipeline import HW_DECODER_LOAD, decoder_args, decoded
 from .nodes import _border
 
 # %% ../nbs/03d_steps.ipynb #c115f2b6
@@ -173,29 +173,31 @@ class ItemStep:
                device_id:int|None=None, # GPU id, or None for the CPU backend
                hw_decoder_load:float=HW_DECODER_LOAD, # GPU only: share of JPEGs given to the hardware JPEG decoder
                boxes:DataNode|None=None, # `needs_boxes`: each item's boxes, `[n, 4]` ltrb source pixels (None: a plain random crop)
+               decode_on:str='gpu', # GPU only: decode on the 'gpu' or on DALI's 'cpu' threads (`decoder_args`)
               )->tuple: # (HWC uint8 images of `self.size`, per-sample `(x0, y0, x1, y1)` source window they show)
         "Decode, crop or pad, and resize to `self.size`, as the fastai transform does"
-        kw = decoder_args(device_id, hw_decoder_load)
-        if self.needs_boxes and boxes is not None: return self._box_crop(encoded, kw, boxes)
-        if isinstance(self.tfm, RandomResizedCrop): return self._rrc(encoded, kw)
-        if isinstance(self.tfm, Resize): return self._resize(encoded, kw)
-        return self._crop_pad(encoded, kw)
+        kw = decoder_args(device_id, hw_decoder_load, decode_on)
+        dec = lambda op, *args, **more: decoded(op(*args, **kw, **more), device_id)  # a decoder's images, where the graph goes on
+        if self.needs_boxes and boxes is not None: return self._box_crop(encoded, dec, boxes)
+        if isinstance(self.tfm, RandomResizedCrop): return self._rrc(encoded, dec)
+        if isinstance(self.tfm, Resize): return self._resize(encoded, dec)
+        return self._crop_pad(encoded, dec)
 
-    def _rrc(self, encoded, kw):
+    def _rrc(self, encoded, dec):
         t,(h,w) = self.tfm,self.size
         ih,iw = _image_hw(encoded)
         if self.train:
             anchor,crop = fn.random_crop_generator(fn.cast(fn.stack(ih, iw), dtype=types.INT64), num_attempts=10,
                                                    random_area=[t.min_scale, t.max_scale], random_aspect_ratio=list(t.ratio))
-            images = fn.decoders.image_slice(encoded, anchor, crop, axis_names='HW', **kw)
+            images = dec(fn.decoders.image_slice, encoded, anchor, crop, axis_names='HW')
             return _resize(images, self.size),_window(anchor[1], anchor[0], crop[1], crop[0])
         xtra = math.ceil(max(h, w)*t.val_xtra/8)*8
-        images = _resize(fn.decoders.image(encoded, **kw), (h + xtra, w + xtra))
+        images = _resize(dec(fn.decoders.image, encoded), (h + xtra, w + xtra))
         images = fn.crop(images, crop=(h, w), crop_pos_x=0.5, crop_pos_y=0.5)
         sx,sy = iw/(w + xtra),ih/(h + xtra)
         return images,_window(sx*(xtra//2), sy*(xtra//2), sx*w, sy*h)
 
-    def _box_crop(self, encoded, kw, boxes):
+    def _box_crop(self, encoded, dec, boxes):
         "`RandomBoxCrop`: `fn.random_bbox_crop` on the boxes relative to the image, then the window, in whole pixels, decoded"
         t,(ih,iw) = self.tfm,_image_hw(encoded)
         rel = dmath.clamp(boxes / fn.stack(iw, ih, iw, ih), 0., 1.)
@@ -205,32 +207,32 @@ class ItemStep:
         x0,y0 = dmath.floor(anchor[0]*iw + 0.5),dmath.floor(anchor[1]*ih + 0.5)
         cw,ch = dmath.max(dmath.floor(shape[0]*iw + 0.5), 1.),dmath.max(dmath.floor(shape[1]*ih + 0.5), 1.)
         cw,ch = dmath.min(cw, iw - x0),dmath.min(ch, ih - y0)
-        images = fn.decoders.image_slice(encoded, fn.stack(x0, y0), fn.stack(cw, ch), normalized_anchor=False,
-                                         normalized_shape=False, **kw)
+        images = dec(fn.decoders.image_slice, encoded, fn.stack(x0, y0), fn.stack(cw, ch), normalized_anchor=False,
+                     normalized_shape=False)
         return _resize(images, self.size),_window(x0, y0, cw, ch)
 
-    def _resize(self, encoded, kw):
+    def _resize(self, encoded, dec):
         t,(h,w),method = self.tfm,self.size,str(self.tfm.method)
         ih,iw = _image_hw(encoded)
-        if method == 'squish': return _resize(fn.decoders.image(encoded, **kw), self.size),_window(0., 0., iw, ih)
+        if method == 'squish': return _resize(dec(fn.decoders.image, encoded), self.size),_window(0., 0., iw, ih)
         m = (_min if method == 'crop' else _max)(iw/w, ih/h)
         cw,ch = _floor(m*w),_floor(m*h)
         px,py = (uniform(0, 1), uniform(0, 1)) if self.train else (0.5, 0.5)
         if method == 'crop':
             x0,y0 = _floor(px*(iw - cw)),_floor(py*(ih - ch))
             anchor,shape = [fn.cast(fn.stack(a, b), dtype=types.INT32) for a,b in ((x0, y0), (cw, ch))]
-            images = fn.decoders.image_slice(encoded, anchor, shape, **kw)
+            images = dec(fn.decoders.image_slice, encoded, anchor, shape)
         else:  # pad: fastai's int() truncates the negative offset towards zero
             x0,y0 = -_floor(px*(cw - iw)),-_floor(py*(ch - ih))
-            images = _shift(fn.decoders.image(encoded, **kw), x0, y0, fn.stack(ch, cw), t.pad_mode)
+            images = _shift(dec(fn.decoders.image, encoded), x0, y0, fn.stack(ch, cw), t.pad_mode)
         return _resize(images, self.size),_window(x0, y0, cw, ch)
 
-    def _crop_pad(self, encoded, kw):
+    def _crop_pad(self, encoded, dec):
         (h,w) = self.size
         ih,iw = _image_hw(encoded)
         if self.train and isinstance(self.tfm, RandomCrop): x0,y0 = _random_offset(iw - w),_random_offset(ih - h)
         else: x0,y0 = dmath.floor((iw - w)/2),dmath.floor((ih - h)/2)
-        images = _shift(fn.decoders.image(encoded, **kw), x0, y0, [h, w], getattr(self.tfm, 'pad_mode', 'zeros'))
+        images = _shift(dec(fn.decoders.image, encoded), x0, y0, [h, w], getattr(self.tfm, 'pad_mode', 'zeros'))
         return images,_window(x0, y0, float(w), float(h))
 
     def describe(self)->str:

@@ -43,9 +43,11 @@ def _quiet(learn, progress:bool|None):
     learn.logger = lambda log: print(' | '.join(f'{n} {v:.4f}' if isinstance(v, float) else f'{n} {v}'
                                                 for n,v in zip(learn.recorder.metric_names, log)))
 
-def _decoder_share(hw_decoder_load:float|None)->dict:
-    "The loaders' `hw_decoder_load`, where one was given: None leaves the loaders' own default"
-    return {} if hw_decoder_load is None else {'hw_decoder_load': hw_decoder_load}
+def _decoder_share(hw_decoder_load:float|None, # the hardware JPEG decoder's share; None: the loaders' default
+                   decode_on:str|None=None, # where the JPEGs are decoded, 'gpu' or 'cpu'; None: the loaders' default
+                  )->dict:
+    "The loaders' decoder settings that were given: None leaves the loaders' own default"
+    return {k: v for k,v in (('hw_decoder_load', hw_decoder_load), ('decode_on', decode_on)) if v is not None}
 
 def _n(k:int, what:str)->str:
     "`1 epoch`, `2 epochs`"
@@ -106,13 +108,14 @@ def train(path:str|Path|None=None, # ImageNet-style folder; None: the embedded F
           fast_step:bool=False, # train with `FastStep` (PyTorch's fused optimizer, metrics on the device, no host sync a batch)
           graph:bool=False, # train with `FastStep(graph=True)`: the model's forward and backward as CUDA graphs (implies `fast_step`)
           hw_decoder_load:float|None=None, # GPU: share of JPEGs for the hardware JPEG decoder; None: the loaders' default
+          decode_on:str|None=None, # GPU: decode JPEGs on the 'gpu' or on DALI's 'cpu' threads; None: the loaders' default ('gpu')
          ):
     "Train `arch` on `path` with DALI loaders (under DDP, one shard a process, when torchrun started several), print a final metrics line, and return the `Learner`"
     started = time.perf_counter()  # imports included: they are part of the wait
     from fastai.metrics import accuracy
     from fastai.vision.learner import vision_learner
     dls = dataloaders_for(path, valid_pct, bs=bs, size=size, device=device, seed=seed, skip_bad_files=skip_bad,
-                          **_decoder_share(hw_decoder_load))
+                          **_decoder_share(hw_decoder_load, decode_on))
     try: learn = vision_learner(dls, arch_by_name(arch), metrics=accuracy, pretrained=pretrained)
     except (OSError, http.client.HTTPException) as e:  # URLError, refused, timed out, cut off
         if not pretrained: raise
@@ -137,11 +140,12 @@ def _train_task(loaders, # `detection_dataloaders` or `segmentation_dataloaders`
                 fast_step:bool=False, # train with `FastStep`
                 graph:bool=False, # train with `FastStep(graph=True)` (implies `fast_step`)
                 hw_decoder_load:float|None=None, # GPU: share of JPEGs for the hardware JPEG decoder; None: the loaders' default
+                decode_on:str|None=None, # GPU: decode JPEGs on the 'gpu' or on DALI's 'cpu' threads; None: the loaders' default ('gpu')
                 **kwargs, # the loaders' options: bs, ...
                ):
     "The training settings `train_detection` and `train_segmentation` share, and what they do with them: loaders, learner, `fit_and_report`"
     started = time.perf_counter()  # imports included: they are part of the wait
-    dls = loaders(path, size, device=device, seed=seed, **_decoder_share(hw_decoder_load), **kwargs)
+    dls = loaders(path, size, device=device, seed=seed, **_decoder_share(hw_decoder_load, decode_on), **kwargs)
     return fit_and_report(learner(dls, size), epochs, lr, what, export, progress, started, fast_step, graph)
 
 @delegates(_train_task)

@@ -244,6 +244,8 @@ def main():
     p.add_argument('--hw-decoder-load', type=float, default=None, help="the loaders' share of JPEGs for the GPU's hardware "
                    "decoder (default: HW_DECODER_LOAD, 0.65; the rest decode on the SMs, beside the step and NCCL); on 4 "
                    "H100s 0 trained resnet50 faster and 1.0 slower, and 0 trained resnet18 slower (ddp_levers_h100x4_20261127.txt)")
+    p.add_argument('--decode-on', default=None, choices=('gpu', 'cpu'), help="where the loaders decode JPEGs (default: "
+                   "'gpu'); 'cpu': on DALI's CPU threads, every core a rank's share of them unless --num-threads")
     p.add_argument('--no-kept-decoder', action='store_true', help="no decoder kept beside the pipelines (`keep_decoder`), "
                    "on one GPU too: under DDP the loaders keep none since 2026-11-27, so this changes only the 1-GPU case")
     p.add_argument('--no-priority-stream', action='store_true', help="the loaders leave PyTorch's work on the caller's "
@@ -253,7 +255,7 @@ def main():
     if a.compare:
         most = torch.cuda.device_count() if a.compare == 'max' else int(a.compare)
         if a.n_per_class is None and a.path is None: a.n_per_class = n_per_class_for(a.images_per_rank, most)
-        keep = [x for k in ('arch', 'path', 'bs', 'size', 'n_per_class', 'epochs', 'num_threads', 'hw_decoder_load') if getattr(a, k) is not None
+        keep = [x for k in ('arch', 'path', 'bs', 'size', 'n_per_class', 'epochs', 'num_threads', 'hw_decoder_load', 'decode_on') if getattr(a, k) is not None
                 for x in (f"--{k.replace('_', '-')}", str(getattr(a, k)))] + ['--no-priority-stream']*a.no_priority_stream + ['--no-kept-decoder']*a.no_kept_decoder
         cases = [int(c) for c in a.cases.split(',')] if a.cases else None
         if cases and not all(1 <= c <= len(CASES) for c in cases):
@@ -265,7 +267,8 @@ def main():
     path = a.path or bench_images(n_per_class=a.n_per_class or 2000)  # the same folder on every rank (written once, atomically)
     dls = DaliDataLoaders.from_folder(path, valid_pct=0.1, bs=a.bs, size=a.size, seed=0, num_threads=a.num_threads,
                                       priority_stream=not a.no_priority_stream,
-                                      **({} if a.hw_decoder_load is None else {'hw_decoder_load': a.hw_decoder_load}))
+                                      **({} if a.hw_decoder_load is None else {'hw_decoder_load': a.hw_decoder_load}),
+                                      **({} if a.decode_on is None else {'decode_on': a.decode_on}))
     n_imgs = len(dls.train.shard(rank, world, seed=0))*a.bs  # a rank's training images an epoch, as the fit shards them
     model = f"fastai's {a.arch}" if a.fastai_model else a.arch
     costs = {}  # what the first epoch paid for: seconds of pipeline builds and graph capture, where the case has them

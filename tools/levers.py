@@ -22,7 +22,7 @@ from fastai.callback.core import Callback
 
 from dali_fastai.augment import combine_steps, lighting, warp
 from dali_fastai.loader import priority_stream
-from dali_fastai.pipeline import HW_DECODER_LOAD, augment_steps, decoder_args, normalize
+from dali_fastai.pipeline import HW_DECODER_LOAD, augment_steps, decoded, decoder_args, normalize
 from dali_fastai.recipe import KeywordRecipe
 from dali_fastai.steps import _image_hw
 
@@ -32,12 +32,13 @@ from handover_probe import threaded
 
 class FoldedRecipe(KeywordRecipe):
     "The keyword training recipe, resampled once from the decoded crop window: `augment`'s matrix times the crop's scale"
-    def graph(self, encoded, device_id=None, hw_decoder_load=HW_DECODER_LOAD, dtype='float32', boxes=None)->dict:
+    def graph(self, encoded, device_id=None, hw_decoder_load=HW_DECODER_LOAD, dtype='float32', boxes=None, decode_on='gpu')->dict:
         (h,w),aug = self.size,dict(self.aug)
         ih,iw = _image_hw(encoded)
         anchor,crop = fn.random_crop_generator(fn.cast(fn.stack(ih, iw), dtype=types.INT64), num_attempts=10,
                                                random_area=list(self.area), random_aspect_ratio=list(self.ratio))
-        images = fn.decoders.image_slice(encoded, anchor, crop, axis_names='HW', **decoder_args(device_id, hw_decoder_load))
+        images = decoded(fn.decoders.image_slice(encoded, anchor, crop, axis_names='HW', **decoder_args(device_id, hw_decoder_load, decode_on)),
+                         device_id)
         pad_mode,max_lighting,p_lighting = aug.pop('pad_mode', 'reflection'),aug.pop('max_lighting', 0.),aug.pop('p_lighting', 0.75)
         ch,cw = fn.cast(crop[0], dtype=types.FLOAT),fn.cast(crop[1], dtype=types.FLOAT)
         resize = fn.transforms.scale(scale=fn.stack(cw/w, ch/h))  # output pixels -> crop pixels: the first step applied
