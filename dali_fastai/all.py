@@ -19,7 +19,7 @@ with warnings.catch_warnings():
     from dali_fastai.colour import COLOUR_TFMS, neg_logit, power_form, colour_unsupported, lighting_draws, colour_node
     from dali_fastai.pipeline import (HW_DECODER_HINT, IMAGENET_MEAN, IMAGENET_STD, read_files, decoder_args,
         decode_random_crop, decode_center_crop, augment_steps, train_pipeline, valid_pipeline, keep_decoder, release_decoders,
-        cpu_codecs, decoded)
+        cpu_codecs, decoded, default_threads)
     from dali_fastai.util import cache_dir, cached_file_values
     from dali_fastai.files import check_image, check_images
     from dali_fastai.steps import RandomBoxCrop, ItemStep, GeometryStep, ItemFlip
@@ -54,14 +54,14 @@ with warnings.catch_warnings():
     from dali_fastai.taskbench import task_bench, detection_bench, segmentation_bench, scale_bench, time_to_accuracy, shards_bench
     from dali_fastai.stepbench import PlainLoop, HostClock, step_bench, task_step_bench, task_time_to_accuracy
     from dali_fastai.capturebench import capture_bench, CAPTURE_MODELS
-    from dali_fastai.sessionbench import session_run, session_bench, format_session, start_costs, spent_between, build_seconds
+    from dali_fastai.sessionbench import CPU_DECODE, session_run, session_bench, format_session, start_costs, spent_between, build_seconds
 
 # %% ../nbs/10_all.ipynb #f745ce07
 __all__ = ['warp_matrix', 'synthetic_warps', 'rotation_matrix', 'compose_matrices', 'random_warps_node',
            'affine_steps', 'subset_product_node', 'fastai_rng', 'HostDraws', 'COLOUR_TFMS', 'neg_logit',
            'power_form', 'colour_unsupported', 'lighting_draws', 'colour_node', 'HW_DECODER_HINT', 'IMAGENET_MEAN',
            'IMAGENET_STD', 'read_files', 'decoder_args', 'decode_random_crop', 'decode_center_crop', 'augment_steps',
-           'train_pipeline', 'valid_pipeline', 'keep_decoder', 'release_decoders', 'cpu_codecs', 'decoded', 'check_image', 'cache_dir', 'check_images', 'cached_file_values',
+           'train_pipeline', 'valid_pipeline', 'keep_decoder', 'release_decoders', 'cpu_codecs', 'decoded', 'default_threads', 'check_image', 'cache_dir', 'check_images', 'cached_file_values',
            'RandomBoxCrop', 'ItemStep', 'GeometryStep', 'ItemFlip', 'ImageRecipe', 'fastai_recipe', 'keyword_recipe', 'geometry_outputs',
            'ImageBoxes', 'read_coco', 'read_voc', 'to_fastai', 'from_fastai', 'check_arg', 'check_settings',
            'FULL_CHECK_LIMIT', 'n_batches', 'batches_per_rank', 'priority_stream', 'DaliNormalize', 'default_drain_limit', 'Target',
@@ -78,5 +78,5 @@ __all__ = ['warp_matrix', 'synthetic_warps', 'rotation_matrix', 'compose_matrice
            'Throughput', 'training_throughput', 'clock_slowdowns', 'COMPILED', 'fastai_aug_tfms', 'fastai_default_dls',
            'aug_transforms_dls', 'bench', 'format_results', 'task_bench', 'detection_bench', 'segmentation_bench',
            'scale_bench', 'time_to_accuracy', 'shards_bench', 'PlainLoop', 'step_bench', 'task_step_bench',
-           'task_time_to_accuracy', 'HostClock', 'capture_bench', 'CAPTURE_MODELS', 'session_run', 'session_bench', 'format_session',
+           'task_time_to_accuracy', 'HostClock', 'capture_bench', 'CAPTURE_MODELS', 'CPU_DECODE', 'session_run', 'session_bench', 'format_session',
            'start_costs', 'spent_between', 'build_seconds']

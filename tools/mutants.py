@@ -203,8 +203,13 @@ MUTANTS = [
     ('epoch', "        self._new = weakref.ref(source) if source is not None and source.unread else None",
               "        self._new = weakref.ref(source) if source is not None else None",
               "every epoch's first batch counted as a new pipeline's"),
-    ('loader', "        if self.world_size == 1: keep_decoder(device_id, self.hw_decoder_load)",
-               "        keep_decoder(device_id, self.hw_decoder_load)", "a DDP shard keeps a third decoder a rank"),
+    ('loader', "        if self.world_size == 1 and self.decode_on == 'gpu': keep_decoder(device_id, self.hw_decoder_load)",
+               "        if self.decode_on == 'gpu': keep_decoder(device_id, self.hw_decoder_load)", "a DDP shard keeps a third decoder a rank"),
+    ('loader', "        if self.world_size == 1 and self.decode_on == 'gpu': keep_decoder(device_id, self.hw_decoder_load)",
+               "        if self.world_size == 1: keep_decoder(device_id, self.hw_decoder_load)",
+               "a loader that decodes on the CPU keeps a GPU decoder (its 2.3 s start) anyway"),
+    ('loader', "        with cpu_codecs() if on_cpu else nullcontext(): pipe.build()", "        pipe.build()",
+               "a pipeline whose decoders are all on the CPU still loads and starts nvImageCodec's nvjpeg extension"),
 ]
 
 FAST = ['tests/test_defaults.py', 'tests/test_augment_stats.py']
@@ -215,7 +220,7 @@ SELECTIONS = {  # per module: pytest arguments, relative to the repository root
     'loader': ['tests/test_loader_edges.py', 'tests/test_defaults.py', 'tests/test_distributed.py',
                '--deselect', 'tests/test_distributed.py::test_two_processes_through_distrib_ctx',
                'tests/test_reliability.py::test_exactly_once', 'tests/test_reliability.py::test_get_preds_exactly_once',
-               'tests/test_mask_sampling.py', 'tests/test_session.py'],
+               'tests/test_mask_sampling.py', 'tests/test_session.py', 'tests/test_decode_on.py'],
     'detection': ['tests/test_detection.py'],
     'detectors': ['tests/test_detection.py'],
     'postprocess': ['tests/test_detection.py'],
