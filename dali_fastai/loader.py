@@ -8,7 +8,7 @@ Docs: https://dali-fastai.github.io/dali_fastai/loader.html.md"""
 __all__ = ['AUG_OPTIONS', 'DaliDataLoader']
 
 # %% ../nbs/05_loader.ipynb #20a7e3fb
-import inspect
+import inspect, os
 from contextlib import nullcontext
 from functools import partial
 import numpy as np
@@ -179,7 +179,8 @@ class DaliDataLoader(BatchDisplay):
         # fed (`fed_by`): the feed serves the files of each epoch, sides included; else a reader over these items
         side = [] if self._fed else [[f[i] for i in idx] for f in self._side_files()]
         on_cpu = device_id is None or self.decode_on == 'cpu'  # every decoder on the CPU
-        threads = self.num_threads or default_threads(self.decode_on if device_id is not None else 'gpu', self.world_size)
+        ranks_here = int(os.environ.get('LOCAL_WORLD_SIZE', self.world_size)) if self.world_size > 1 else 1  # torchrun's, on this machine
+        threads = self.num_threads or default_threads(self.decode_on if device_id is not None else 'gpu', ranks_here)
         pipe = classification_pipeline(files, idx, self.bs, partial(self._graph, device_id), device_id, self.shuffle, seed,
                                        threads, self.prefetch, self.rank, self.world_size, order_seed, checkpoint,
                                        side_files=side, reader=self._source.feed.reader if self._fed else self.items.read,

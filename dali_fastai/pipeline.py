@@ -163,7 +163,7 @@ def normalize(images:DataNode, # RGB images, HWC uint8
 
 # %% ../nbs/03c_pipeline.ipynb #858b7bee
 def default_threads(decode_on:str='gpu', # where a GPU pipeline decodes: on DALI's 'cpu' threads the decoding is theirs
-                    share:int=1, # processes sharing this machine's cores (DDP ranks)
+                    share:int=1, # processes sharing this machine's cores (DDP ranks on it)
                    )->int:
     "CPU threads for a pipeline: the cores this process may use, at most 8; all of them (its `share`) when its CPU threads decode for the GPU"
     cores = len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count() or 1
@@ -254,7 +254,7 @@ def release_decoders():
 
 # %% ../nbs/03c_pipeline.ipynb #0f8a9592
 _GPU_EXTENSIONS = ('libnvjpeg', 'libnvtiff')  # nvImageCodec's CUDA extensions (nvjpeg, nvjpeg2k, nvtiff), by file name
-_CPU_ONLY = []  # the _folder of links to its CPU extensions, made once a process (a `TemporaryDirectory`, removed at exit)
+_CPU_ONLY = []  # the folder of links to its CPU extensions, made once a process (a `TemporaryDirectory`, removed at exit)
 
 def nvimgcodec_extensions()->list:
     "The extension files nvImageCodec loads by default (`extensions/` beside its library); [] where it has none there"
@@ -263,23 +263,23 @@ def nvimgcodec_extensions()->list:
     return sorted(glob.glob(os.path.join(spec.submodule_search_locations[0], 'extensions', '*.so*')))
 
 def cpu_extensions()->str|None:
-    "A _folder of links to nvImageCodec's extensions that decode on the CPU, made once a process; None where there are none"
+    "A folder of links to nvImageCodec's extensions that decode on the CPU, made once a process; None where there are none"
     if not _CPU_ONLY:
         exts = [e for e in nvimgcodec_extensions() if not os.path.basename(e).startswith(_GPU_EXTENSIONS)]
         if not exts: return None
-        _folder = tempfile.TemporaryDirectory(prefix='dali_fastai_cpu_codecs_')
-        for e in exts: os.symlink(e, os.path.join(_folder.name, os.path.basename(e)))
-        _CPU_ONLY.append(_folder)
+        folder = tempfile.TemporaryDirectory(prefix='dali_fastai_cpu_codecs_')
+        for e in exts: os.symlink(e, os.path.join(folder.name, os.path.basename(e)))
+        _CPU_ONLY.append(folder)
     return _CPU_ONLY[0].name
 
 @contextmanager
 def cpu_codecs():
     "While DALI builds a pipeline whose decoders all run on the CPU: nvImageCodec sees only its CPU extensions, so its nvjpeg one neither loads nor starts"
-    _folder = cpu_extensions()
-    if _folder is None or 'NVIMGCODEC_EXTENSIONS_PATH' in os.environ:  # nothing to leave out, or the user's own choice
+    folder = cpu_extensions()
+    if folder is None or 'NVIMGCODEC_EXTENSIONS_PATH' in os.environ:  # nothing to leave out, or the user's own choice
         yield
         return
-    os.environ['NVIMGCODEC_EXTENSIONS_PATH'] = _folder
+    os.environ['NVIMGCODEC_EXTENSIONS_PATH'] = folder
     try: yield
     finally: os.environ.pop('NVIMGCODEC_EXTENSIONS_PATH', None)
 
