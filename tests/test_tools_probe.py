@@ -16,10 +16,10 @@ def probe(): return load_tool('handover_probe')
 
 
 def test_levers_parse_to_loader_keywords(wait):
-    got = wait.parse_levers(['', 'hw_decoder_load=1.0', 'hw_decoder_load=1.0,num_threads=4', 'dtype=float16'])
+    got = wait.parse_levers(['', 'hw_decoder_load=1.0', 'hw_decoder_load=1.0,num_threads=4', 'dtype=float16', 'decode_on=cpu'])
     assert got == {'defaults': {}, 'hw_decoder_load=1.0': {'hw_decoder_load': 1.0},
                    'hw_decoder_load=1.0,num_threads=4': {'hw_decoder_load': 1.0, 'num_threads': 4},
-                   'dtype=float16': {'dtype': 'float16'}}
+                   'dtype=float16': {'dtype': 'float16'}, 'decode_on=cpu': {'decode_on': 'cpu'}}
     assert isinstance(got['hw_decoder_load=1.0,num_threads=4']['num_threads'], int)
 
 
@@ -179,3 +179,21 @@ def test_gpus_accuracy_reads_the_line_train_prints(tmp_path, capsys):
     m = load_tool('gpus_accuracy').DONE.search(out)
     assert m is not None, out
     assert 0 <= float(m['acc']) <= 1 and float(m['loss']) > 0
+
+
+def test_ddp_bench_times_the_hosts_wait_for_each_training_batch(monkeypatch):
+    "ddp_bench's LoaderWait: a training phase's host seconds between batches (validation's not counted); `paid` prints them a phase"
+    from types import SimpleNamespace
+    ddp = load_tool('ddp_bench')
+    clock = iter([1.0, 1.5, 2.0, 2.25, 9.0, 9.5])
+    monkeypatch.setattr(ddp.time, 'perf_counter', lambda: next(clock))
+    cb = ddp.LoaderWait(); cb.learn = SimpleNamespace(training=True)
+    cb.before_fit(); cb.before_train()
+    cb.before_batch(); cb.after_batch()  # the first batch: nothing before it to wait after (reads 1.0 at its end)
+    cb.before_batch(); cb.after_batch()  # 1.5 - 1.0, then its end at 2.0
+    cb.before_batch()                    # 2.25 - 2.0
+    cb.learn.training = False
+    cb.before_batch(); cb.after_batch()  # validation: not read
+    cb.learn.training = True; cb.before_train(); cb.before_batch(); cb.after_batch()
+    assert cb.waits == [0.75, 0.]
+    assert ddp.paid({'host waits for batches': [0.75, 0.], 'graph capture': None}, {}) == "; of which host waits for batches (each epoch) 0.75, 0.00 s"

@@ -62,6 +62,17 @@ class EpochTimer(Callback):
     def after_train(self): torch.cuda.synchronize(); self.times.append(time.perf_counter() - self.start)
 
 
+class LoaderWait(Callback):
+    "Host seconds of each training phase from one batch's end to the next one's start: the loader's hand-over as the host sees it, no GPU sync added (what a rule choosing `decode_on` would read)"
+    order = 99
+    def before_fit(self): self.waits,self.t = [],None
+    def before_train(self): self.waits.append(0.); self.t = None
+    def before_batch(self):
+        if self.training and self.t is not None: self.waits[-1] += time.perf_counter() - self.t
+    def after_batch(self):
+        if self.training: self.t = time.perf_counter()
+
+
 def loader_epochs(dl, epochs:int)->list:
     "Wall time of `epochs` epochs of `dl` (this rank's shard) alone, reading every batch onto the GPU"
     times = []
@@ -77,16 +88,16 @@ def fit_epochs(dls, epochs:int, world:int, sync_bn:bool, bar:bool=True, fused:bo
                arch:str='resnet50', # the model, one of `ARCHS`
               )->list:
     "Wall time of the training phase of each of `epochs` epochs of an `arch` (bf16, channels_last) fit, and `start_costs` after it"
-    timer = EpochTimer()
+    timer,wait = EpochTimer(),LoaderWait()
     kw = dict(opt_func=partial(OptimWrapper, opt=torch.optim.AdamW, fused=True)) if fused else {}
-    cbs = [DaliDistributed(), timer, *([FastStep(graph=graph)] if fast_step or graph else [])]
+    cbs = [DaliDistributed(), timer, wait, *([FastStep(graph=graph)] if fast_step or graph else [])]
     learn = vision_learner(dls, ARCHS[arch], metrics=accuracy, pretrained=False, cbs=cbs, **kw).to_bf16()
     learn.model = learn.model.to(memory_format=torch.channels_last)
     # one GPU: a plain fit (fastai's DistributedTrainer assumes a DDP-wrapped model, which one process does not get)
     with learn.distrib_ctx(sync_bn=sync_bn) if world > 1 else contextlib.nullcontext(), \
          contextlib.nullcontext() if bar else learn.no_bar():
         learn.fit_one_cycle(epochs, 1e-3)
-    return timer.times,start_costs(learn)
+    return timer.times,{**start_costs(learn), 'host waits for batches': wait.waits}
 
 
 def plain_model(fastai_model:bool, c:int=10, arch:str='resnet50'):
@@ -211,7 +222,9 @@ def loader_builds(dls)->dict:
 
 def paid(costs:dict, builds:dict)->str:
     "What a case's start paid for, as its line ends: `start_costs`' seconds (the first epoch holds them) and each loader's builds"
-    said = [f"{k} {v:.2f} s" for k,v in costs.items() if v] + [f"{k} {n} build(s) {v:.2f} s" for k,(n,v) in builds.items() if n]
+    said = [f"{k} (each epoch) {', '.join(f'{x:.2f}' for x in v)} s" if isinstance(v, list) else f"{k} {v:.2f} s"
+            for k,v in costs.items() if v]
+    said += [f"{k} {n} build(s) {v:.2f} s" for k,(n,v) in builds.items() if n]
     return f"; of which {', '.join(said)}" if said else ''
 
 

@@ -1,6 +1,6 @@
 """Where a training step with dali_fastai waits, on the GPU machine, in one run:
 
-    python tools/training_wait.py [--arch resnet18] [--levers hw_decoder_load=1.0 num_threads=4 ...]
+    python tools/training_wait.py [--arch resnet18] [--levers hw_decoder_load=1.0 num_threads=4 decode_on=cpu ...]
 
 1. Step times, training batches only (validation batches are forward-only and would pull the median down): the
    loader's hand-over (end of one batch to the start of the next) and the step with the GPU synchronized after it, with
@@ -76,14 +76,21 @@ def kernel_time(dls, arch:str, n:int=20)->str:
     return '\n'.join(lines)
 
 
+def _value(v:str):
+    "A lever's value as the loader takes it: an int, a float, or the word itself ('float16', 'cpu')"
+    for kind in (int, float):
+        try: return kind(v)
+        except ValueError: pass
+    return v
+
 def parse_levers(levers:list)->dict:
-    "`['hw_decoder_load=1.0', 'num_threads=4']` -> `{'hw_decoder_load=1.0, num_threads=4': {...}}`; '' is the defaults"
+    "`['hw_decoder_load=1.0', 'num_threads=4', 'decode_on=cpu']` -> `{'hw_decoder_load=1.0': {...}, ...}`; '' is the defaults"
     res = {}
     for lever in levers:
         kw = {}
         for item in filter(None, lever.split(',')):
             k,v = item.split('=')
-            kw[k] = v if k == 'dtype' else float(v) if '.' in v else int(v)
+            kw[k] = _value(v)
         res[lever or 'defaults'] = kw
     return res
 
