@@ -124,12 +124,11 @@ _CHILD = "import json, sys; from dali_fastai.sessionbench import session_run; pr
 
 def run_variant(variant:str, # one of `VARIANTS`
                 timeout:float=1800, # seconds before the process is stopped
-                child:str=_CHILD, # the code the process runs: `session_run` on the JSON of its first argument, the result printed after 'SESSION '
                 **kwargs, # `session_run`'s settings
                )->dict: # `session_run`'s result, or `{'variant': ..., 'error': ...}`
     "`session_run` in a fresh Python process"
     args = json.dumps(dict(variant=variant, **{k: str(v) if isinstance(v, Path) else v for k,v in kwargs.items()}))
-    try: p = subprocess.run([sys.executable, '-c', child, args], capture_output=True, text=True, timeout=timeout)
+    try: p = subprocess.run([sys.executable, '-c', _CHILD, args], capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired: return dict(variant=variant, error=f"stopped after {timeout:.0f} s")
     line = next((l for l in reversed(p.stdout.splitlines()) if l.startswith('SESSION ')), None)
     if p.returncode != 0 or line is None:

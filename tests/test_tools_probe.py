@@ -2,6 +2,7 @@
 decide what is measured are checked here, on the CPU: a wrong lever parser or a batch-dropping thread would report
 numbers for something else."""
 import time
+from pathlib import Path
 import numpy as np, pytest, torch
 
 from helpers import load_tool
@@ -197,3 +198,11 @@ def test_ddp_bench_times_the_hosts_wait_for_each_training_batch(monkeypatch):
     cb.learn.training = True; cb.before_train(); cb.before_batch(); cb.after_batch()
     assert cb.waits == [0.75, 0.]
     assert ddp.paid({'host waits for batches': [0.75, 0.], 'graph capture': None}, {}) == "; of which host waits for batches (each epoch) 0.75, 0.00 s"
+
+
+def test_every_tool_compiles_on_this_python():
+    "The tools that run only on the GPU machine (Python 3.12) are read by this one too: a 3.12-only construct (e.g. a backslash inside an f-string's braces) fails here, not on a GPU lease"
+    import py_compile
+    tools = sorted((Path(__file__).parent.parent/'tools').glob('*.py'))
+    assert len(tools) > 10
+    for t in tools: py_compile.compile(str(t), doraise=True)

@@ -221,7 +221,7 @@ def loader_builds(dls)->dict:
 
 
 def paid(costs:dict, builds:dict)->str:
-    "What a case's start paid for, as its line ends: `start_costs`' seconds (the first epoch holds them) and each loader's builds"
+    "What a case's start paid for, as its line ends: `start_costs`' seconds (the first epoch holds them), each loader's builds, and a list's values an epoch (the host's waits for batches)"
     said = [f"{k} (each epoch) {', '.join(f'{x:.2f}' for x in v)} s" if isinstance(v, list) else f"{k} {v:.2f} s"
             for k,v in costs.items() if v]
     said += [f"{k} {n} build(s) {v:.2f} s" for k,(n,v) in builds.items() if n]
@@ -253,7 +253,8 @@ def main():
     p.add_argument('--fresh', action='store_true', help="--compare: run every case again, not only those missing from --out")
     p.add_argument('--cases', default=None, help="--compare: only these cases, by their row in the table, e.g. 1,3,5 (default: all)")
     p.add_argument('--num-threads', type=int, default=None, help="the loaders' DALI CPU threads a pipeline (default: "
-                   "default_threads(), the cores this process may use, at most 8): what the loader's cost under DDP owes to them")
+                   "default_threads(decode_on): the cores this process may use, at most 8, or with --decode-on cpu all of them, a "
+                   "rank's share): what the loader's cost under DDP owes to them")
     p.add_argument('--hw-decoder-load', type=float, default=None, help="the loaders' share of JPEGs for the GPU's hardware "
                    "decoder (default: HW_DECODER_LOAD, 0.65; the rest decode on the SMs, beside the step and NCCL); on 4 "
                    "H100s 0 trained resnet50 faster and 1.0 slower, and 0 trained resnet18 slower (ddp_levers_h100x4_20261127.txt)")

@@ -19,7 +19,8 @@ validation pipeline after the training one, and prints that second build's secon
 them in (cProfile, by own time): a second build paid 0.58-0.62 s in the session bench with either decoder (H200,
 2026-11-27).
 """
-import argparse, glob, os, subprocess, sys, tempfile
+import argparse, os, subprocess, sys, tempfile
+from dali_fastai.pipeline import nvimgcodec_extensions
 
 CHILD = r'''
 import cProfile, pstats, sys, time, warnings, torch
@@ -61,12 +62,12 @@ def main(argv:list|None=None):
                    "libnvjpeg_ext; default: each)")
     a = p.parse_args(argv)
     threads = a.threads if a.cpu_decode else None
-    import nvidia.nvimgcodec
-    exts = sorted(glob.glob(os.path.join(os.path.dirname(nvidia.nvimgcodec.__file__), 'extensions', '*.so*')))
+    exts = nvimgcodec_extensions()
     if threads is None: print(f"{'every extension':34s} {build_with(None)}", flush=True)
     else:
         print(f"{'every extension':34s} {build_with(exts, threads)}", flush=True)
-        print(f"{'cpu_codecs (the loaders\' own)':34s} {build_with(None, threads)}", flush=True)
+        own = "cpu_codecs (the loaders' own)"
+        print(f"{own:34s} {build_with(None, threads)}", flush=True)
     for e in exts:
         if a.leave_out is not None and os.path.basename(e).split('.')[0] not in a.leave_out: continue
         print(f"{'all but ' + os.path.basename(e).split('.')[0]:34s} {build_with([x for x in exts if x != e], threads)}", flush=True)
