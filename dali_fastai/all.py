@@ -19,7 +19,7 @@ with warnings.catch_warnings():
     from dali_fastai.colour import COLOUR_TFMS, neg_logit, power_form, colour_unsupported, lighting_draws, colour_node
     from dali_fastai.pipeline import (HW_DECODER_HINT, IMAGENET_MEAN, IMAGENET_STD, read_files, decoder_args,
         decode_random_crop, decode_center_crop, augment_steps, train_pipeline, valid_pipeline, keep_decoder, release_decoders,
-        cpu_codecs, decoded, default_threads)
+        cpu_codecs, decoded, default_threads, gpu_decoder_cost)
     from dali_fastai.util import cache_dir, cached_file_values
     from dali_fastai.files import check_image, check_images
     from dali_fastai.steps import RandomBoxCrop, ItemStep, GeometryStep, ItemFlip
@@ -28,7 +28,7 @@ with warnings.catch_warnings():
     from dali_fastai.annotations import ImageBoxes, read_coco, read_voc, to_fastai, from_fastai
     from dali_fastai.checks import check_arg, check_settings
     from dali_fastai.items import Target, ImageItems, usable_items
-    from dali_fastai.epoch import n_batches, batches_per_rank, priority_stream, DaliEpoch, PipelineSource, FileFeed, FedSource, to_device_async, default_drain_limit
+    from dali_fastai.epoch import n_batches, batches_per_rank, priority_stream, DaliEpoch, PipelineSource, FileFeed, FedSource, to_device_async, default_drain_limit, ranks_max
     from dali_fastai.display import BatchDisplay
     from dali_fastai.loader import FULL_CHECK_LIMIT, DaliDataLoader
     from dali_fastai.targets import BoxTarget, BoxLabelTarget, PointTarget
@@ -48,24 +48,24 @@ with warnings.catch_warnings():
     from dali_fastai.detectors import (small_detector, BatchedTransform, BatchedFCOS, BatchedRetinaNet, CachedAnchors, padded_targets, unpadded_targets, BoxCheck)
     from dali_fastai.postprocess import padded_detections, batch_detections, eval_per_image
     from dali_fastai.detection import (fastai_to_targets, fastai_to_padded, DetectionAdapter, detection_loss, DetectionLoss, DetectionTargets, coco_backend, DetectionMAP, DetectionLearner, detection_learner)
-    from dali_fastai.measure import bench_images, side_by_side, loader_throughput, Throughput, training_throughput, clock_slowdowns
+    from dali_fastai.measure import STEADY_PACE, bench_images, side_by_side, loader_throughput, Throughput, training_throughput, clock_slowdowns
     from dali_fastai.baselines import COMPILED, fastai_aug_tfms, fastai_default_dls, aug_transforms_dls
     from dali_fastai.bench import bench, format_results
     from dali_fastai.taskbench import task_bench, detection_bench, segmentation_bench, scale_bench, time_to_accuracy, shards_bench
     from dali_fastai.stepbench import PlainLoop, HostClock, step_bench, task_step_bench, task_time_to_accuracy
     from dali_fastai.capturebench import capture_bench, CAPTURE_MODELS
-    from dali_fastai.sessionbench import CPU_DECODE, session_run, session_bench, format_session, start_costs, spent_between, build_seconds
+    from dali_fastai.sessionbench import GPU_DECODE, session_run, session_bench, format_session, start_costs, spent_between, build_seconds
 
 # %% ../nbs/10_all.ipynb #f745ce07
 __all__ = ['warp_matrix', 'synthetic_warps', 'rotation_matrix', 'compose_matrices', 'random_warps_node',
            'affine_steps', 'subset_product_node', 'fastai_rng', 'HostDraws', 'COLOUR_TFMS', 'neg_logit',
            'power_form', 'colour_unsupported', 'lighting_draws', 'colour_node', 'HW_DECODER_HINT', 'IMAGENET_MEAN',
            'IMAGENET_STD', 'read_files', 'decoder_args', 'decode_random_crop', 'decode_center_crop', 'augment_steps',
-           'train_pipeline', 'valid_pipeline', 'keep_decoder', 'release_decoders', 'cpu_codecs', 'decoded', 'default_threads', 'check_image', 'cache_dir', 'check_images', 'cached_file_values',
+           'train_pipeline', 'valid_pipeline', 'keep_decoder', 'release_decoders', 'cpu_codecs', 'decoded', 'default_threads', 'gpu_decoder_cost', 'check_image', 'cache_dir', 'check_images', 'cached_file_values',
            'RandomBoxCrop', 'ItemStep', 'GeometryStep', 'ItemFlip', 'ImageRecipe', 'fastai_recipe', 'keyword_recipe', 'geometry_outputs',
            'ImageBoxes', 'read_coco', 'read_voc', 'to_fastai', 'from_fastai', 'check_arg', 'check_settings',
            'FULL_CHECK_LIMIT', 'n_batches', 'batches_per_rank', 'priority_stream', 'DaliNormalize', 'default_drain_limit', 'Target',
-           'ImageItems', 'usable_items', 'DaliEpoch', 'PipelineSource', 'FileFeed', 'FedSource', 'to_device_async', 'BatchDisplay', 'DaliDataLoader', 'BoxTarget', 'BoxLabelTarget',
+           'ImageItems', 'usable_items', 'DaliEpoch', 'PipelineSource', 'FileFeed', 'FedSource', 'to_device_async', 'ranks_max', 'BatchDisplay', 'DaliDataLoader', 'BoxTarget', 'BoxLabelTarget',
            'PointTarget', 'prepare_masks', 'mask_values', 'check_mask_values', 'MaskTarget', 'shard_index',
            'write_shards', 'folder_shards', 'check_shards', 'parse_label', 'ShardItems', 'tfrecord_index',
            'dblock_shards', 'label_targets', 'dblock_items', 'DaliDataLoaders', 'dataloaders_for', 'detection_dataloaders',
@@ -74,9 +74,9 @@ __all__ = ['warp_matrix', 'synthetic_warps', 'rotation_matrix', 'compose_matrice
            'DaliDistributed', 'DaliCheckpoint', 'FASHION_MNIST_CLASSES', 'fashion_mnist_df', 'write_once',
            'fashion_mnist', 'SCENE_CODES', 'fashion_scenes', 'fastai_to_targets', 'fastai_to_padded', 'small_detector', 'BatchedTransform', 'BatchedFCOS', 'BatchedRetinaNet', 'CachedAnchors', 'padded_targets', 'unpadded_targets', 'BoxCheck', 'padded_detections', 'batch_detections', 'eval_per_image',
            'DetectionAdapter', 'detection_loss', 'DetectionLoss', 'DetectionTargets', 'coco_backend', 'DetectionMAP',
-           'DetectionLearner', 'detection_learner', 'bench_images', 'side_by_side', 'loader_throughput',
+           'DetectionLearner', 'detection_learner', 'STEADY_PACE', 'bench_images', 'side_by_side', 'loader_throughput',
            'Throughput', 'training_throughput', 'clock_slowdowns', 'COMPILED', 'fastai_aug_tfms', 'fastai_default_dls',
            'aug_transforms_dls', 'bench', 'format_results', 'task_bench', 'detection_bench', 'segmentation_bench',
            'scale_bench', 'time_to_accuracy', 'shards_bench', 'PlainLoop', 'step_bench', 'task_step_bench',
-           'task_time_to_accuracy', 'HostClock', 'capture_bench', 'CAPTURE_MODELS', 'CPU_DECODE', 'session_run', 'session_bench', 'format_session',
+           'task_time_to_accuracy', 'HostClock', 'capture_bench', 'CAPTURE_MODELS', 'GPU_DECODE', 'session_run', 'session_bench', 'format_session',
            'start_costs', 'spent_between', 'build_seconds']

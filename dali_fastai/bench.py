@@ -13,7 +13,7 @@ from pathlib import Path
 from fastai.data.core import DataLoaders
 from .loader import as_device, AUG_OPTIONS
 from .data import DaliDataLoaders
-from .measure import (bench_images, side_by_side, loader_throughput, SyntheticLoader, training_throughput,
+from .measure import (STEADY_PACE, bench_images, side_by_side, loader_throughput, SyntheticLoader, training_throughput,
                                  pipeline_memory, machine_info, clock_slowdowns, slowed, _ratio, _verdict)
 from .baselines import COMPILED, LEFTOVER, fastai_default_dls, aug_transforms_dls, left_to_fastai
 
@@ -37,6 +37,7 @@ def bench(path:str|Path|None=None, # ImageNet-style folder; default: `bench_imag
     res = dict(machine=machine_info(device), settings=dict(path=str(path), size=size, bs=bs, n_batches=n_batches,
                warmup=warmup, passes=passes, device=str(device), **{k: str(v) for k,v in dali_kwargs.items()}),
                loader={}, training={}, memory={}, left_to_fastai={})
+    dali_kwargs = {**STEADY_PACE, **dali_kwargs}  # the GPU pipeline's pace, unless the caller names where to decode
     dls = DaliDataLoaders.from_folder(path, bs=bs, size=size, device=device, seed=0, **dali_kwargs)
     res['memory']['train_pipeline'] = pipeline_memory(dls.train, device)
     res['memory']['valid_pipeline'] = pipeline_memory(dls.valid, device)

@@ -16,7 +16,7 @@ import torchvision.models
 from fastai.vision.models.xresnet import xresnet50
 from .loader import as_device
 from .data import DaliDataLoaders
-from .measure import machine_info, loader_throughput, _sync, _let_go
+from .measure import STEADY_PACE, machine_info, loader_throughput, _sync, _let_go
 from .faststep import FastStep
 from .stepbench import HostClock, _fastai_rate, _classifier, _unet, _detector, _task_data
 
@@ -125,7 +125,7 @@ def capture_bench(models:tuple=tuple(CAPTURE_MODELS), # names of `CAPTURE_MODELS
     for task,names in tasks.items():
         t,src,db = _task_data(task, roots.get(task), size)
         for bs in bss or CAPTURE_BSS[task]:
-            dls = DaliDataLoaders.from_dblock(db, src, bs=bs, device=device, seed=0)
+            dls = DaliDataLoaders.from_dblock(db, src, bs=bs, device=device, seed=0, **STEADY_PACE)
             res['loader'][f'{task} bs {bs}'] = loader_throughput(dls.train, device, n_batches, warmup, passes=1) # the pace no row can pass
             for m in names:
                 make = partial(CAPTURE_MODELS[m][1], metric=False, size=size or t.size)

@@ -99,10 +99,10 @@ def parser()->argparse.ArgumentParser:
     t.add_argument('--hw-decoder-load', type=float, default=None, metavar='F', help="GPU: the share of JPEGs for the "
                    "hardware JPEG decoder, 0 to 1, the rest on the CUDA decoder (default: DALI's 0.65); under DDP resnet50 "
                    "trained faster with 0, resnet18 slower (see the distributed docs)")
-    t.add_argument('--decode-on', choices=('gpu', 'cpu'), default=None, help="GPU: where the JPEGs are decoded: 'gpu' "
-                   "(DALI's hardware and CUDA decoders, the default) or 'cpu' (DALI's CPU threads, every core; no GPU decoder "
-                   "to start, 2.3 s a process: faster for short runs and, on one H200, for resnet50 throughout; see the "
-                   "session bench)")
+    t.add_argument('--decode-on', choices=('auto', 'gpu', 'cpu'), default=None, help="GPU: where the JPEGs are decoded: "
+                   "'auto' (the default: on DALI's CPU threads until the host has waited for them longer than the GPU "
+                   "decoder's start costs, then on the GPU), 'gpu' (DALI's hardware and CUDA decoders from the start: "
+                   "2.3 s to start a process) or 'cpu' (DALI's CPU threads, every core, throughout); see the session bench")
     g = t.add_argument_group('several GPUs', "DDP through torchrun (torch.distributed.run): one process a GPU, each reading "
                              "its own shard; --bs is per GPU; fastai's distrib_ctx(sync_bn=False)")
     g.add_argument('--gpus', type=int, default=1, help="processes on this machine, one a GPU (default: 1, no DDP); with "

@@ -6,7 +6,7 @@ Docs: https://dali-fastai.github.io/dali_fastai/epoch.html.md"""
 
 # %% auto #0
 __all__ = ['n_batches', 'shard_sizes', 'batches_per_rank', 'interleaved_order', 'as_device', 'dali_device_id', 'priority_stream',
-           'DaliEpoch', 'default_drain_limit', 'derived_seed', 'PipelineSource', 'FileFeed', 'FedSource',
+           'DaliEpoch', 'default_drain_limit', 'ranks_max', 'derived_seed', 'PipelineSource', 'FileFeed', 'FedSource',
            'to_device_async']
 
 # %% ../nbs/04_epoch.ipynb #42a6f309
@@ -15,6 +15,7 @@ from collections import deque
 from contextlib import contextmanager
 import numpy as np
 import torch
+import torch.distributed as dist
 from fastcore.imports import equals
 from fastai.torch_core import num_distrib
 from nvidia.dali import fn, types
@@ -110,30 +111,42 @@ def _first_read(source, # the `PipelineSource` of a build whose first batch was 
     "Count a new build's first batch in its source: read now, and the wait for it among its start costs"
     if source is not None: source.unread,source.first_batch_seconds = False,source.first_batch_seconds + secs
 
+def _waited(source, # the `PipelineSource` whose batches the host waited for (None: freed meanwhile)
+            secs:float): # how long the host was blocked in DALI's `next()` in one pass, a build's first batch left out
+    "Count the host's waits for batches in their source (`PipelineSource.waited`): a loader's share of the step, as the host sees it"
+    if source is not None: source.waited += secs
+
 class DaliEpoch:
     "One pass over a DALI iterator: it counts the batches taken, stops at `n`, and can be finished early by draining"
     def __init__(self, it:DALIGenericIterator, # the pipeline's iterator, at the start of a DALI epoch (or of a resumed one)
                  n:int, # batches this epoch yields (`len(dl)`)
                  taken:int=0, # batches of a resumed epoch already taken
-                 source=None, # the `PipelineSource` of `it`: the wait for a new build's first batch is counted there
+                 source=None, # the `PipelineSource` of `it`: the wait for a new build's first batch is counted there, and with
+                              # its `time_waits` the host's waits for the batches after it (`waited`)
                 ):
         self.it,self.n,self.taken,self.done = it,n,taken,False
         # the source of a build not read yet, whose first batch this epoch times; weakly: the source holds this epoch
         # (`PipelineSource.epoch`), and a cycle would keep a dropped loader's pipeline and threads alive until the GC runs
         self._new = weakref.ref(source) if source is not None and source.unread else None
+        self._waits = weakref.ref(source) if source is not None and source.time_waits else None
 
     def __iter__(self):
         "DALI's batches (dicts of outputs); an exception from DALI leaves the epoch `broken`"
-        new,self._new = self._new,None  # the first batch only is timed: no clock in the batches after it
-        while True:
-            start = time.perf_counter() if new else None
-            try: data = next(self.it)  # `next()`, not `for`: DALI's `iter()` would try a mid-epoch reset
-            except StopIteration: break
-            if new: _first_read(new(), time.perf_counter() - start); new = None
-            if self.taken >= self.n: continue  # sharded: every rank stops at `len`; DALI's epoch may hold one more
-            self.taken += 1
-            yield data[0]
-        self.done = True
+        new,self._new = self._new,None  # the first batch only is timed: no clock in the batches after it, unless waits are counted
+        waits,waited = self._waits,0.
+        try:
+            while True:
+                start = time.perf_counter() if new or waits else None
+                try: data = next(self.it)  # `next()`, not `for`: DALI's `iter()` would try a mid-epoch reset
+                except StopIteration: break
+                if new: _first_read(new(), time.perf_counter() - start); new = None
+                elif waits: waited += time.perf_counter() - start  # the host blocked here: DALI had no batch ready
+                if self.taken >= self.n: continue  # sharded: every rank stops at `len`; DALI's epoch may hold one more
+                self.taken += 1
+                yield data[0]
+            self.done = True
+        finally: # also when the epoch is abandoned (`lr_find`, a `break`): what it waited counts
+            if waits: _waited(waits(), waited)
 
     @property
     def left(self)->int: return self.n - self.taken
@@ -142,12 +155,27 @@ class DaliEpoch:
         for _ in self: pass
 
 # %% ../nbs/04_epoch.ipynb #df1609aa
-def default_drain_limit(device:torch.device)->int:
+def default_drain_limit(device:torch.device, # the loader's device
+                        decoding:str='gpu', # where a GPU loader decodes its JPEGs now (`DaliDataLoader.decoding`)
+                       )->int:
     "Batches left in an abandoned epoch that are read rather than the pipeline built anew: as many as take about one build's time"
-    # on a GPU a batch takes a few ms (the loaders read 12,000-22,000 img/s: the step and DDP benches) and a build 0.5-2.2 s
-    # (tools/session_starts.py); on DALI's CPU backend a batch takes about 0.1 s and a build a few tenths. A count, not a
-    # clock: the choice must not hang on the machine's load, since a build draws new seeds (and every DDP rank must choose alike)
-    return 100 if device.type == 'cuda' else 4
+    # on a GPU decoding there a batch takes a few ms (the loaders read 12,000-22,000 img/s: the step and DDP benches) and a
+    # build 0.5-2.2 s (tools/session_starts.py); on DALI's CPU threads a GPU loader's batch of 64 takes ~12 ms (5,000-6,000
+    # img/s on 16 cores) and a build 0.01-0.04 s with a first batch of 0.05-0.2 s (session bench); on DALI's CPU backend a
+    # batch takes about 0.1 s and a build a few tenths. A count, not a clock: the choice must not hang on the machine's
+    # load, since a build draws new seeds (and every DDP rank must choose alike: their `decoding` is agreed)
+    return 100 if device.type == 'cuda' and decoding == 'gpu' else 4
+
+# %% ../nbs/04_epoch.ipynb #2382af58
+def ranks_max(value:float, # this process's value
+              device:torch.device, # the loader's device: NCCL reduces tensors on the GPU
+             )->float: # the largest of the ranks' values; `value` itself outside a process group
+    "The largest `value` of the ranks of the default process group, so that every rank makes one choice from it"
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1: return value
+    t = torch.tensor([float(value)], device=device if dist.get_backend() == 'nccl' else 'cpu')
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
 
 # %% ../nbs/04_epoch.ipynb #8f7b1784
 _RANK_STREAM = 1 << 20  # a rank's augmentation seed is derived from (seed, build, _RANK_STREAM, rank)
@@ -169,6 +197,8 @@ class PipelineSource:
         self.epoch = None  # the epoch being read from `it`
         self.build_seconds = 0. # seconds its builds took: DALI's `Pipeline.build` (with the JPEG decoder's start), and the graph's making
         self.first_batch_seconds,self.unread = 0.,False # seconds each build's first batch took to come (`DaliEpoch`); a build not read yet
+        self.time_waits,self.waited = False,0. # whether its epochs count the host's waits for the later batches; the seconds counted
+        self.gpu_decode = False # an 'auto' loader's choice: its pipeline decodes on the GPU (`DaliDataLoader.decoding`)
 
     def iterator(self, key, # what the pipeline is built for (e.g. recipe and shard): another key rebuilds it
                  make, # `make(seed, order_seed, checkpoint)` → a DALI `Pipeline` whose reader is named 'Reader' (not kept: no cycle)
@@ -222,11 +252,14 @@ class PipelineSource:
     def state(self)->dict:
         "Build number, order seed and DALI's checkpoint (reader positions, random generators), JSON-ready"
         return {'build': self.builds - 1 if self.it is None else self.build, 'order_seed': self.order_seed,
-                'dali': None if self.it is None else base64.b64encode(self.it.checkpoints()[0]).decode()}
+                'dali': None if self.it is None else base64.b64encode(self.it.checkpoints()[0]).decode(),
+                'gpu_decode': self.gpu_decode, 'waited': self.waited}
     def load(self, state:dict):
         "Make the next build continue from `state`"
         self.close()
         self.builds = state['build'] + 1
+        # the decoder the checkpoint's graph had (DALI restores a checkpoint into the same graph), and the waits counted
+        self.gpu_decode,self.waited = state.get('gpu_decode', False),state.get('waited', 0.)
         if state['dali'] is not None: self.resume = state
 
 # %% ../nbs/04_epoch.ipynb #4f8656cf

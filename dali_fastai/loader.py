@@ -25,8 +25,9 @@ from dali_fastai.items import (ImageItems, usable_items, FULL_CHECK_LIMIT, _is_d
     _decode_failure)
 from .epoch import (n_batches, batches_per_rank, interleaved_order, as_device, dali_device_id,
     priority_stream, DaliEpoch, PipelineSource, derived_seed, _RANK_STREAM, to_device_async, default_drain_limit,
-    _same, _fed_source, FedSource)
-from .pipeline import classification_pipeline, augment, keep_decoder, cpu_codecs, default_threads, HW_DECODER_LOAD
+    _same, _fed_source, FedSource, ranks_max)
+from dali_fastai.pipeline import (classification_pipeline, augment, keep_decoder, cpu_codecs, default_threads, HW_DECODER_LOAD,
+    gpu_decoder_cost)
 from .recipe import ImageRecipe, geometry_outputs
 # `DaliNormalize` lived here: learners exported before it moved to `translate` name `dali_fastai.loader.DaliNormalize`
 from .translate import _recipes, DaliNormalize, _after_batch, _work_after
@@ -61,9 +62,9 @@ class DaliDataLoader(BatchDisplay):
                  dtype:str='float32', # 'float32' or 'float16' images
                  crop_pct:float=0.875, # validation with keywords: centre crop's share of the resized shorter side
                  hw_decoder_load:float=HW_DECODER_LOAD, # GPU: share of JPEGs for the hardware JPEG decoder (A100, H100, H200)
-                 decode_on:str='gpu', # GPU: decode JPEGs on the 'gpu', or on DALI's 'cpu' threads (no GPU decoder to start: `cpu_codecs`)
+                 decode_on:str='auto', # GPU: decode JPEGs on the 'gpu', on DALI's 'cpu' threads (no GPU decoder to start: `cpu_codecs`), or 'auto': the CPU's until the GPU's start pays (`decoding`)
                  priority_stream:bool=True, # GPU: while iterated, PyTorch works on a high-priority stream (`priority_stream`)
-                 drain_limit:int|None=None, # an abandoned epoch with at most this many batches left is drained, else rebuilt; None: `default_drain_limit(device)`
+                 drain_limit:int|None=None, # an abandoned epoch with at most this many batches left is drained, else rebuilt; None: `default_drain_limit(device, decoding)`
                  skip_bad_files:bool=False, # leave out files that fail `check_images` (with one warning), instead of raising
                  check_files:bool=True, # check the files' headers before reading them (False: trust them)
                  item_tfms:list|None=None, # fastai item transforms (`Resize`, `RandomResizedCrop`...), compiled into DALI
@@ -153,7 +154,7 @@ class DaliDataLoader(BatchDisplay):
 
     def _graph(self, device_id:int|None, encoded, *side_encoded)->tuple:
         "The images; with geometric targets, the window and matrix; then what each side target makes of its files"
-        kw = dict(device_id=device_id, hw_decoder_load=self.hw_decoder_load, dtype=self.dtype, decode_on=self.decode_on)
+        kw = dict(device_id=device_id, hw_decoder_load=self.hw_decoder_load, dtype=self.dtype, decode_on=self.decoding)
         if not self._geometric: return self.recipe.build(encoded, **kw)
         sides = self._sides
         boxes = fn.reinterpret(side_encoded[len(sides)], dtype=types.FLOAT, shape=[-1, 4]) if len(side_encoded) > len(sides) else None
@@ -175,12 +176,12 @@ class DaliDataLoader(BatchDisplay):
         device_id = dali_device_id(self.device)
         # the JPEG decoder's start paid once a process (see `keep_decoder`); not for a DDP shard, whose ranks start their
         # decoders at once: there a third decoder a rank cost each rank's first epoch 2.4 s on 4 GPUs (distributed notebook)
-        if self.world_size == 1 and self.decode_on == 'gpu': keep_decoder(device_id, self.hw_decoder_load)
+        decoding = self.decoding
+        if self.world_size == 1 and decoding == 'gpu': keep_decoder(device_id, self.hw_decoder_load)
         # fed (`fed_by`): the feed serves the files of each epoch, sides included; else a reader over these items
         side = [] if self._fed else [[f[i] for i in idx] for f in self._side_files()]
-        on_cpu = device_id is None or self.decode_on == 'cpu'  # every decoder on the CPU
-        ranks_here = int(os.environ.get('LOCAL_WORLD_SIZE', self.world_size)) if self.world_size > 1 else 1  # torchrun's, on this machine
-        threads = self.num_threads or default_threads(self.decode_on if device_id is not None else 'gpu', ranks_here)
+        on_cpu = device_id is None or decoding == 'cpu'  # every decoder on the CPU
+        threads = self.num_threads or default_threads(decoding if device_id is not None else 'gpu', self._ranks_here)
         pipe = classification_pipeline(files, idx, self.bs, partial(self._graph, device_id), device_id, self.shuffle, seed,
                                        threads, self.prefetch, self.rank, self.world_size, order_seed, checkpoint,
                                        side_files=side, reader=self._source.feed.reader if self._fed else self.items.read,
@@ -189,12 +190,37 @@ class DaliDataLoader(BatchDisplay):
         with cpu_codecs() if on_cpu else nullcontext(): pipe.build()
         return pipe
 
+    @property
+    def _ranks_here(self)->int:
+        "The processes of this loader's DDP run on this machine (torchrun's LOCAL_WORLD_SIZE); 1 alone"
+        return int(os.environ.get('LOCAL_WORLD_SIZE', self.world_size)) if self.world_size > 1 else 1
+
+    @property
+    def decoding(self)->str:
+        "Where this loader's pipeline decodes its JPEGs now: `decode_on`; with 'auto', DALI's 'cpu' threads until `_choose_decoder` picks the 'gpu'"
+        if self.decode_on != 'auto': return self.decode_on
+        return 'gpu' if self._source.gpu_decode else 'cpu'
+
+    def _choose_decoder(self):
+        "With decode_on='auto': decode on the GPU from this epoch on once the host has waited for DALI's CPU threads longer than the GPU decoder's start costs"
+        s,device_id = self._source,dali_device_id(self.device)
+        # a DDP rank's validation loader keeps the CPU's: the ranks must choose together, and only training runs in step for sure
+        # (on DALI's CPU backend there is no GPU decoder: it would cost `inf`, so the CPU's stay)
+        if self.decode_on != 'auto' or s.gpu_decode or self._fed or (self.world_size > 1 and not self.train): return
+        s.time_waits = True  # its epochs count the host's waits (`DaliEpoch`)
+        if self._epoch_no <= 1: return  # nothing read yet: every rank knows it without asking the others
+        waited = ranks_max(s.waited, self.device) if self.world_size > 1 else s.waited
+        if waited < gpu_decoder_cost(device_id, self._ranks_here): return
+        s.gpu_decode,s.time_waits = True,False
+        s.close()  # the CPU-decoding pipeline goes (with any other split's): the next build decodes on the GPU
+
     def _iterator(self)->DALIGenericIterator:
         "The DALI iterator for the current split and shard (the order is the same on every rank; augmentation differs)"
         stream,key = () if self.world_size == 1 else (_RANK_STREAM, self.rank),(self.split_idx, self.rank, self.world_size)
         if self._fed:
             self._source = self._pooled()  # its split's: fastai's `tta` reads the items with the training transforms too
             return self._source.start(self.items.files, self._side_files(), key, self._pipeline, self.seed, stream)
+        self._choose_decoder()
         # sharded: PARTIAL, and the epoch stops every rank at `len(self)` (DALI's DROP repeats padding samples then)
         return self._source.iterator(key, self._pipeline, self.seed, stream, drop_last=self.drop_last and self.world_size == 1)
 
@@ -207,6 +233,7 @@ class DaliDataLoader(BatchDisplay):
         old,self._fed = self._source,False
         self._source = PipelineSource(old.names)
         self._source.builds,self._source.order_seed = old.builds,old.order_seed  # a rebuilt loader draws seeds anew
+        self._source.gpu_decode,self._source.waited = old.gpu_decode,old.waited  # 'auto''s choice, and what it weighed, stay
 
     def _settings(self)->dict:
         "What this loader's pipeline is made from, but its items: its settings and augmentation, split and shard"
@@ -278,7 +305,7 @@ class DaliDataLoader(BatchDisplay):
 
     def reset(self):
         "Make the next `iter()` start a whole epoch, whatever happened to the last one"
-        self._source.abandon(default_drain_limit(self.device) if self.drain_limit is None else self.drain_limit)
+        self._source.abandon(default_drain_limit(self.device, self.decoding) if self.drain_limit is None else self.drain_limit)
 
     def __iter__(self):
         with priority_stream(self.device, self.priority_stream): yield from self._batches()

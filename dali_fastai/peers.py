@@ -30,7 +30,7 @@ from .data import DaliDataLoaders
 from .annotations import read_coco
 from .masks import prepare_masks
 from .scenes import fashion_scenes
-from .measure import loader_throughput, machine_info
+from .measure import STEADY_PACE, loader_throughput, machine_info
 from .taskblocks import coco_dblock, voc_segmentation_dblock
 
 # %% ../nbs/08b_peers.ipynb #89a030d9
@@ -354,7 +354,7 @@ def _task_peers(task:str, # 'detection' or 'segmentation'
                )->dict: # `peer_rows`' results, with the machine
     "The peers of `task`, beside dali_fastai's loader made from the same DataBlock, on the training images of `root`; print them"
     device,root = as_device(device),fashion_scenes(progress=False) if root is None else Path(root)
-    dali = DaliDataLoaders.from_dblock(dblock(root, size), root/'JPEGImages', bs=bs, device=device, seed=0)
+    dali = DaliDataLoaders.from_dblock(dblock(root, size), root/'JPEGImages', bs=bs, device=device, seed=0, **STEADY_PACE)
     files,ys = targets(root, dali.vocab)
     p = peer_rows(task, files, ys, size, bs, device, n_batches, warmup, passes, workers,
                   {f'dali_fastai {task} train': dali.train}, **kwargs)

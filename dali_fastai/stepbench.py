@@ -27,7 +27,7 @@ from fastai.data.transforms import get_image_files, parent_label, GrandparentSpl
 from fastai.vision.data import ImageBlock
 from fastai.vision.learner import unet_learner, vision_learner
 from fastai.metrics import DiceMulti, accuracy
-from .measure import bench_images, machine_info, learner_throughput, throughput_learner, Throughput, _endless, _pass, _sync, _fit_once
+from .measure import STEADY_PACE, bench_images, machine_info, learner_throughput, throughput_learner, Throughput, _endless, _pass, _sync, _fit_once
 from .baselines import fastai_aug_tfms
 from .taskblocks import coco_dblock, voc_segmentation_dblock
 from .detectors import small_detector
@@ -152,7 +152,7 @@ def step_bench(path:str|Path|None=None, # ImageNet-style folder; default: `bench
     res = dict(machine=machine_info(device), settings=dict(path=str(path), size=size, device=str(device), n_batches=n_batches,
                warmup=warmup, passes=passes), rows={})
     for bs in bss:
-        dls = DaliDataLoaders.from_folder(path, bs=bs, size=size, device=device, seed=0)
+        dls = DaliDataLoaders.from_folder(path, bs=bs, size=size, device=device, seed=0, **STEADY_PACE)
         for arch in archs:
             make = lambda d, cbs, arch=arch: throughput_learner(d, arch, d.c, cbs=cbs)
             res['rows'][f'{arch} bs {bs}'] = step_rows(dls, make, n_batches, warmup, passes)
@@ -205,7 +205,7 @@ def task_step_bench(task:str, # 'segmentation', 'detection' (FCOS), 'retinanet' 
     "The plain loop and the fastai rows for the task's model, fed by `DaliDataLoaders.from_dblock`"
     t,src,db = _task_data(task, root, size)
     device = as_device(device)
-    dls = DaliDataLoaders.from_dblock(db, src, bs=bs, device=device, seed=0)
+    dls = DaliDataLoaders.from_dblock(db, src, bs=bs, device=device, seed=0, **STEADY_PACE)
     res = dict(machine=machine_info(device), settings=dict(task=task, size=size or t.size, device=str(device)),
                rows={f'{t.model} bs {bs}': step_rows(dls, partial(t.learner, metric=False, size=size or t.size), n_batches, warmup, passes)})
     print(format_steps(res))

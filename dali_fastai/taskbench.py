@@ -27,7 +27,7 @@ from .detectors import small_detector
 from .detection import detection_learner
 from .scenes import fashion_scenes
 from .faststep import FastStep
-from .measure import bench_images, side_by_side, learner_throughput, machine_info, _ratio, _verdict, _fit_once
+from .measure import STEADY_PACE, bench_images, side_by_side, learner_throughput, machine_info, _ratio, _verdict, _fit_once
 from .baselines import fastai_default_dls, aug_transforms_dls
 from .taskblocks import coco_dblock, voc_segmentation_dblock
 
@@ -47,7 +47,7 @@ def task_bench(task:str, # what the loaders are for, in the rows' names ('detect
     device = as_device(device)
     res = dict(machine=machine_info(device), settings=dict(task=task, source=str(source), size=size, bs=bs, n_batches=n_batches,
                warmup=warmup, passes=passes, device=str(device), target=target), loader={}, training={})
-    dls = {'dali_fastai': DaliDataLoaders.from_dblock(dblock, source, bs=bs, device=device, seed=0, **kwargs),
+    dls = {'dali_fastai': DaliDataLoaders.from_dblock(dblock, source, bs=bs, device=device, seed=0, **{**STEADY_PACE, **kwargs}),
            'fastai': dblock.dataloaders(source, bs=bs, device=device, num_workers=os.cpu_count() if workers is None else workers)}
     rates = side_by_side({k: d.train for k,d in dls.items()}, device, n_batches, warmup, passes)
     res['loader'] = {f'{k} {task} train': v for k,v in rates.items()}
@@ -212,6 +212,7 @@ def shards_bench(path:str|Path|None=None, # ImageNet-style folder; default: `ben
     device,path = as_device(device),bench_images() if path is None else Path(path)
     res = dict(machine=machine_info(device), settings=dict(path=str(path), size=size, bs=bs, n_batches=n_batches, warmup=warmup,
                passes=passes, device=str(device), shard_size=shard_size), loader={})
+    kwargs = {**STEADY_PACE, **kwargs}  # the shards' loaders below too
     dls = {'folder': DaliDataLoaders.from_folder(path, bs=bs, size=size, device=device, seed=0, **kwargs)}
     for fmt,make in (('webdataset', DaliDataLoaders.from_webdataset), ('tfrecord', DaliDataLoaders.from_tfrecord)):
         shards = (Path(dest) if dest is not None else cache_dir()/'bench_shards')/f'{path.name}_{_tree_key(path)}_{fmt}_{shard_size}'

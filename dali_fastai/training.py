@@ -44,7 +44,7 @@ def _quiet(learn, progress:bool|None):
                                                 for n,v in zip(learn.recorder.metric_names, log)))
 
 def _decoder_share(hw_decoder_load:float|None, # the hardware JPEG decoder's share; None: the loaders' default
-                   decode_on:str|None=None, # where the JPEGs are decoded, 'gpu' or 'cpu'; None: the loaders' default
+                   decode_on:str|None=None, # where the JPEGs are decoded, 'gpu', 'cpu' or 'auto'; None: the loaders' default ('auto')
                   )->dict:
     "The loaders' decoder settings that were given: None leaves the loaders' own default"
     return {k: v for k,v in (('hw_decoder_load', hw_decoder_load), ('decode_on', decode_on)) if v is not None}
@@ -108,7 +108,7 @@ def train(path:str|Path|None=None, # ImageNet-style folder; None: the embedded F
           fast_step:bool=False, # train with `FastStep` (PyTorch's fused optimizer, metrics on the device, no host sync a batch)
           graph:bool=False, # train with `FastStep(graph=True)`: the model's forward and backward as CUDA graphs (implies `fast_step`)
           hw_decoder_load:float|None=None, # GPU: share of JPEGs for the hardware JPEG decoder; None: the loaders' default
-          decode_on:str|None=None, # GPU: decode JPEGs on the 'gpu' or on DALI's 'cpu' threads; None: the loaders' default ('gpu')
+          decode_on:str|None=None, # GPU: decode JPEGs on the 'gpu', on DALI's 'cpu' threads, or 'auto'; None: the loaders' default ('auto')
          ):
     "Train `arch` on `path` with DALI loaders (under DDP, one shard a process, when torchrun started several), print a final metrics line, and return the `Learner`"
     started = time.perf_counter()  # imports included: they are part of the wait
@@ -140,7 +140,7 @@ def _train_task(loaders, # `detection_dataloaders` or `segmentation_dataloaders`
                 fast_step:bool=False, # train with `FastStep`
                 graph:bool=False, # train with `FastStep(graph=True)` (implies `fast_step`)
                 hw_decoder_load:float|None=None, # GPU: share of JPEGs for the hardware JPEG decoder; None: the loaders' default
-                decode_on:str|None=None, # GPU: decode JPEGs on the 'gpu' or on DALI's 'cpu' threads; None: the loaders' default ('gpu')
+                decode_on:str|None=None, # GPU: decode JPEGs on the 'gpu', on DALI's 'cpu' threads, or 'auto'; None: the loaders' default ('auto')
                 **kwargs, # the loaders' options: bs, ...
                ):
     "The training settings `train_detection` and `train_segmentation` share, and what they do with them: loaders, learner, `fit_and_report`"

@@ -104,7 +104,7 @@ def test_hw_decoder_load_reaches_every_tasks_loaders(tmp_path, monkeypatch):
 
 
 def test_decode_on_reaches_every_tasks_loaders(tmp_path, monkeypatch):
-    "`--decode-on cpu` (no GPU decoder to start: the session bench's fastest session) is each task's loaders' `decode_on`; left out, 'gpu'; another word, the flag's choices"
+    "`--decode-on cpu` is each task's loaders' `decode_on`; left out, the loaders' default 'auto'; another word, the flag's choices"
     data = image_folder(tmp_path/'data')
     made = []
     monkeypatch.setattr(training, 'fit_and_report', lambda learn, *args, **kwargs: made.append(learn))
@@ -112,7 +112,9 @@ def test_decode_on_reaches_every_tasks_loaders(tmp_path, monkeypatch):
         cli.main(['train', '--task', task, *where, '--device', 'cpu', '--size', '32', '--bs', '4', '--decode-on', 'cpu'])
         assert made[-1].dls.train.decode_on == made[-1].dls.valid.decode_on == 'cpu', task
     cli.main(['train', str(data), '--device', 'cpu', '--size', '32', '--bs', '4'])
-    assert made[-1].dls.train.decode_on == 'gpu'
+    assert made[-1].dls.train.decode_on == 'auto'
+    cli.main(['train', str(data), '--device', 'cpu', '--size', '32', '--bs', '4', '--decode-on', 'gpu'])
+    assert made[-1].dls.train.decode_on == made[-1].dls.valid.decode_on == 'gpu'
     with pytest.raises(SystemExit): cli.main(['train', str(data), '--device', 'cpu', '--decode-on', 'host'])
 
 

@@ -1,6 +1,7 @@
 """`decode_on='cpu'`: a GPU loader's JPEGs decoded on DALI's CPU threads and handed to the GPU, built while nvImageCodec
-sees only its CPU extensions (`cpu_codecs`), with no GPU decoder kept for the process."""
-import os
+sees only its CPU extensions (`cpu_codecs`), with no GPU decoder kept for the process; `decode_on='auto'` (the default):
+there until the host has waited for them longer than the GPU decoder's start costs, then on the GPU."""
+import math, os, subprocess, sys
 from contextlib import contextmanager
 import numpy as np
 import pytest
@@ -27,12 +28,12 @@ def test_decode_on_reaches_every_pipeline_and_keeps_no_decoder(files, monkeypatc
     assert told == ['cpu', 'cpu'], "the loader's setting reaches its pipeline's decoders, shard or not"
     assert kept == [], "no GPU decoder kept beside pipelines that decode on the CPU"
     assert codecs == ['entered', 'entered'], "each build with nvImageCodec shown its CPU extensions only"
-    epoch_items(index_loader(files[:8], 2, seed=0))
-    assert len(kept) == 1, "decoding on the GPU (the default): the process's decoder is kept"
+    epoch_items(index_loader(files[:8], 2, seed=0, decode_on='gpu'))
+    assert len(kept) == 1, "decoding on the GPU: the process's decoder is kept"
 
 
 def test_decode_on_is_checked_by_name(files):
-    with pytest.raises(ValueError, match="decode_on must be 'gpu' or 'cpu', got 'CPU'"): index_loader(files[:4], 2, decode_on='CPU')
+    with pytest.raises(ValueError, match="decode_on must be 'gpu', 'cpu' or 'auto', got 'CPU'"): index_loader(files[:4], 2, decode_on='CPU')
 
 
 def test_the_environment_is_left_as_it_was(files):
@@ -40,6 +41,100 @@ def test_the_environment_is_left_as_it_was(files):
     assert 'NVIMGCODEC_EXTENSIONS_PATH' not in os.environ
     epoch_items(index_loader(files[:4], 2, seed=0, decode_on='cpu'))
     assert 'NVIMGCODEC_EXTENSIONS_PATH' not in os.environ
+
+
+def _told(dl, monkeypatch)->list:
+    "Where each of `dl`'s builds was told to decode, in order"
+    told,build = [],dl.recipe.build
+    monkeypatch.setattr(dl.recipe, 'build', lambda *a, **kw: told.append(kw['decode_on']) or build(*a, **kw))
+    return told
+
+
+def _switch_costs(monkeypatch, secs:float):
+    "What the loaders are told a GPU decoder's start costs (on DALI's CPU backend, where they run here, it is `inf`)"
+    import dali_fastai.loader as loader
+    monkeypatch.setattr(loader, 'gpu_decoder_cost', lambda device_id, ranks_here: secs)
+
+
+def _every_item_once(dl, n:int, epochs:int):
+    for _ in range(epochs): assert sorted(sum(epoch_items(dl), [])) == list(range(n)), "every item once an epoch"
+
+
+def test_auto_moves_to_the_gpu_once_the_waits_have_paid_its_start(files, monkeypatch):
+    "The default: DALI's CPU threads while the host's waits for them cost less than the GPU decoder's start; from the next epoch on, the GPU"
+    dl = index_loader(files[:12], 3, train=True, seed=0)
+    told = _told(dl, monkeypatch)
+    assert (dl.decode_on, dl.decoding) == ('auto', 'cpu')
+    _switch_costs(monkeypatch, math.inf)  # DALI's CPU backend: never worth it
+    _every_item_once(dl, 12, 3)
+    assert told == ['cpu'] and dl._source.waited > 0, "one build, on the CPU's threads, its waits counted"
+    _switch_costs(monkeypatch, 0.)  # the waits have paid for the start
+    _every_item_once(dl, 12, 2)
+    assert (told, dl.decoding, dl._source.builds) == (['cpu', 'gpu'], 'gpu', 2), "rebuilt once, at an epoch's start"
+    assert not dl._source.time_waits, "no clock read once on the GPU"
+
+
+def test_a_loader_that_decodes_where_it_is_told_never_moves(files, monkeypatch):
+    _switch_costs(monkeypatch, 0.)
+    for where in ('cpu', 'gpu'):
+        dl = index_loader(files[:8], 2, seed=0, decode_on=where)
+        told = _told(dl, monkeypatch)
+        _every_item_once(dl, 8, 3)
+        assert (told, dl._source.waited) == ([where], 0.), "built once, no clock read"
+
+
+def test_get_preds_copy_and_resume_keep_the_choice(files, monkeypatch):
+    "The validation loader's copy (`get_preds`) shares its pipeline and its choice; a resumed loader decodes where the saved one did"
+    _switch_costs(monkeypatch, 0.)
+    dl = index_loader(files[:8], 2, seed=0)
+    _every_item_once(dl, 8, 2)
+    copy = dl.new()
+    assert copy.decoding == 'gpu' and copy._source is dl._source
+    _every_item_once(copy, 8, 1)
+    assert dl._source.builds == 2, "the copy built nothing"
+    state = dl.state_dict()
+    assert state['gpu_decode']
+    fresh = index_loader(files[:8], 2, seed=0)
+    fresh.load_state_dict(state)
+    assert fresh.decoding == 'gpu'
+
+
+def test_a_ranks_validation_loader_keeps_the_cpus_decoders(files, monkeypatch):
+    "Under DDP only the training loaders choose (the ranks read them in step, and agree through `ranks_max`)"
+    _switch_costs(monkeypatch, 0.)
+    valid,train = index_loader(files[:8], 2, seed=0).shard(0, 2),index_loader(files[:8], 2, train=True, seed=0).shard(0, 2)
+    for _ in range(3): epoch_items(valid); epoch_items(train)
+    assert (valid.decoding, train.decoding) == ('cpu', 'gpu')
+
+
+def test_a_ranks_training_loader_chooses_from_every_ranks_waits(files, monkeypatch):
+    "Under DDP a training loader asks `ranks_max` at each epoch's start (after the first), and chooses from its answer, not its own waits"
+    import dali_fastai.loader as loader
+    asked = []
+    monkeypatch.setattr(loader, 'ranks_max', lambda v, device: asked.append(v) or 10.)  # another rank waited 10 s
+    _switch_costs(monkeypatch, 5.)
+    train = index_loader(files[:8], 2, train=True, seed=0).shard(0, 2)
+    for _ in range(2): epoch_items(train)
+    assert len(asked) == 1 and asked[0] < 5., "asked once (the second epoch's start), with this rank's own short waits"
+    assert train.decoding == 'gpu', "chose from the longest wait of the ranks"
+
+
+_RANKS_MAX = """
+import sys, torch, torch.distributed as dist
+from dali_fastai.epoch import ranks_max
+rank = int(sys.argv[1])
+dist.init_process_group('gloo', init_method='file://' + sys.argv[2], rank=rank, world_size=2)
+print(ranks_max([0.5, 4.0][rank], torch.device('cpu')))
+dist.destroy_process_group()
+"""
+
+def test_the_ranks_choose_from_the_longest_wait(tmp_path):
+    "Two processes (gloo): each rank gets the larger of the two values, so all rebuild at the same epoch and keep one order"
+    script = tmp_path/'ranks_max.py'
+    script.write_text(_RANKS_MAX)
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path/'store')], stdout=subprocess.PIPE, text=True)
+             for r in range(2)]
+    assert [p.communicate(timeout=240)[0].strip() for p in procs] == ['4.0', '4.0']
 
 
 def _jpegs(folder, n:int)->ImageItems:
@@ -61,8 +156,24 @@ def test_decode_on_cpu_gives_the_gpus_batches_without_a_gpu_decoder(tmp_path):
     batches = [(x, y) for x,y in cpu]
     assert _KEPT == {}, "no GPU decoder kept for a loader that decodes on the CPU"
     assert all(x.is_cuda and y.is_cuda for x,y in batches) and len(batches) == 3
-    gpu = DaliDataLoader(items, bs=4, size=32, device='cuda', seed=0)
+    gpu = DaliDataLoader(items, bs=4, size=32, device='cuda', seed=0, decode_on='gpu')
     for (xc,yc),(xg,yg) in zip(batches, gpu):
         assert torch.equal(yc, yg)
         assert (xc - xg).abs().mean() < 0.05, "libjpeg-turbo's and nvJPEG's pixels differ by rounding only"
     assert 'NVIMGCODEC_EXTENSIONS_PATH' not in os.environ
+
+
+@needs_gpu("decode_on='auto' moving to the GPU's decoders")
+def test_auto_starts_no_gpu_decoder_until_it_moves(tmp_path, monkeypatch):
+    "On the GPU: the default decodes on the CPU's threads with no GPU decoder started; once the waits pay, the GPU's, kept for the process"
+    items = _jpegs(tmp_path, 12)
+    release_decoders()
+    dl = DaliDataLoader(items, bs=4, size=32, device='cuda', seed=0, train=True)
+    _switch_costs(monkeypatch, math.inf)
+    for _ in range(2): assert sorted(y for _,yb in dl for y in yb.tolist()) == list(range(12))
+    assert _KEPT == {} and dl.decoding == 'cpu' and dl._source.waited > 0
+    _switch_costs(monkeypatch, 0.)
+    batches = [(x, y) for x,y in dl]
+    assert dl.decoding == 'gpu' and list(_KEPT) == [0], "the GPU's decoder started, and kept for the process"
+    assert all(x.is_cuda for x,_ in batches) and sorted(y for _,yb in batches for y in yb.tolist()) == list(range(12))
+    release_decoders()

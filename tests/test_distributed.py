@@ -111,7 +111,7 @@ def test_a_shard_keeps_no_decoder_beside_its_pipelines(files, monkeypatch):
     import dali_fastai.loader as loader
     kept,loads = [],[]
     monkeypatch.setattr(loader, 'keep_decoder', lambda device_id, load: kept.append(load))
-    dl = index_loader(files[:8], 2, seed=0, hw_decoder_load=0.5)
+    dl = index_loader(files[:8], 2, seed=0, hw_decoder_load=0.5, decode_on='gpu')  # ('auto' keeps one once it moves)
     build = dl.recipe.build
     monkeypatch.setattr(dl.recipe, 'build', lambda *a, **kw: loads.append(kw['hw_decoder_load']) or build(*a, **kw))
     epoch_items(dl)

@@ -30,7 +30,7 @@ else:
     from dali_fastai.data import DaliDataLoaders
     import dali_fastai.loader; dali_fastai.loader.keep_decoder = lambda *a: None  # the pipeline's own decoder only
     t,src,db = _task_data('classification', None, None)
-    dls = DaliDataLoaders.from_dblock(db, src, bs=64, device='cuda', seed=0)
+    dls = DaliDataLoaders.from_dblock(db, src, bs=64, device='cuda', seed=0, decode_on='gpu')  # the GPU decoder's start
     if mode == 'prepinned':
         from nvidia.dali import backend
         a = clock(); backend.PreallocatePinnedMemory(512*2**20); out['pin 512 MB in DALI'] = clock() - a

@@ -220,6 +220,11 @@ def loader_builds(dls)->dict:
     return {name: (dl._source.builds, dl._source.build_seconds) for name,dl in (('training', dls.train), ('validation', dls.valid))}
 
 
+def decoding(dl)->str:
+    "Where the training loader decoded at the end, and the host's waits for DALI's CPU threads it weighed (`decode_on='auto'`)"
+    return f"; training decoded on the {dl.decoding} (host waited {dl._source.waited:.2f} s for the CPU's)"
+
+
 def paid(costs:dict, builds:dict)->str:
     "What a case's start paid for, as its line ends: `start_costs`' seconds (the first epoch holds them), each loader's builds, and a list's values an epoch (the host's waits for batches)"
     said = [f"{k} (each epoch) {', '.join(f'{x:.2f}' for x in v)} s" if isinstance(v, list) else f"{k} {v:.2f} s"
@@ -258,8 +263,9 @@ def main():
     p.add_argument('--hw-decoder-load', type=float, default=None, help="the loaders' share of JPEGs for the GPU's hardware "
                    "decoder (default: HW_DECODER_LOAD, 0.65; the rest decode on the SMs, beside the step and NCCL); on 4 "
                    "H100s 0 trained resnet50 faster and 1.0 slower, and 0 trained resnet18 slower (ddp_levers_h100x4_20261127.txt)")
-    p.add_argument('--decode-on', default=None, choices=('gpu', 'cpu'), help="where the loaders decode JPEGs (default: "
-                   "'gpu'); 'cpu': on DALI's CPU threads, every core a rank's share of them unless --num-threads")
+    p.add_argument('--decode-on', default=None, choices=('auto', 'gpu', 'cpu'), help="where the loaders decode JPEGs "
+                   "(default: the loaders' 'auto': on DALI's CPU threads until the host waited for them longer than the GPU "
+                   "decoder's start costs); 'gpu' from the start; 'cpu' throughout, every core a rank's share of them unless --num-threads")
     p.add_argument('--no-kept-decoder', action='store_true', help="no decoder kept beside the pipelines (`keep_decoder`), "
                    "on one GPU too: under DDP the loaders keep none since 2026-11-27, so this changes only the 1-GPU case")
     p.add_argument('--no-priority-stream', action='store_true', help="the loaders leave PyTorch's work on the caller's "
@@ -305,7 +311,7 @@ def main():
     if a.result and rank == 0: Path(a.result).write_text(json.dumps({'img_s': img_s, 'whole_img_s': whole}))
     print(f"ddp_bench rank {rank}: {world} GPU(s), {what}, bs {a.bs}/GPU, {n_imgs} images/rank/epoch, epochs 2..{a.epochs}: "
           f"{img_s:,.0f} img/s all ranks; all {len(times)} epochs: {whole:,.0f} img/s (epoch times "
-          f"{', '.join(f'{t:.2f}' for t in times)} s){paid(costs, loader_builds(dls))}", flush=True)
+          f"{', '.join(f'{t:.2f}' for t in times)} s){paid(costs, loader_builds(dls))}{decoding(dls.train)}", flush=True)
 
 
 if __name__ == '__main__': main()

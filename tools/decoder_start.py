@@ -29,7 +29,7 @@ from dali_fastai.stepbench import _task_data
 from dali_fastai.data import DaliDataLoaders
 torch.zeros(1, device='cuda'); torch.cuda.synchronize()
 t,src,db = _task_data('classification', None, None)
-kw = {} if len(sys.argv) == 1 else dict(decode_on='cpu', num_threads=int(sys.argv[1]))
+kw = dict(decode_on='gpu') if len(sys.argv) == 1 else dict(decode_on='cpu', num_threads=int(sys.argv[1]))
 dls = DaliDataLoaders.from_dblock(db, src, bs=64, device='cuda', seed=0, **kw)
 a = time.perf_counter(); pipe = dls.train._pipeline(0, 0); pipe.build(); b = time.perf_counter()
 pipe.run(); torch.cuda.synchronize(); c = time.perf_counter()

@@ -203,13 +203,18 @@ MUTANTS = [
     ('epoch', "        self._new = weakref.ref(source) if source is not None and source.unread else None",
               "        self._new = weakref.ref(source) if source is not None else None",
               "every epoch's first batch counted as a new pipeline's"),
-    ('loader', "        if self.world_size == 1 and self.decode_on == 'gpu': keep_decoder(device_id, self.hw_decoder_load)",
-               "        if self.decode_on == 'gpu': keep_decoder(device_id, self.hw_decoder_load)", "a DDP shard keeps a third decoder a rank"),
-    ('loader', "        if self.world_size == 1 and self.decode_on == 'gpu': keep_decoder(device_id, self.hw_decoder_load)",
+    ('loader', "        if self.world_size == 1 and decoding == 'gpu': keep_decoder(device_id, self.hw_decoder_load)",
+               "        if decoding == 'gpu': keep_decoder(device_id, self.hw_decoder_load)", "a DDP shard keeps a third decoder a rank"),
+    ('loader', "        if self.world_size == 1 and decoding == 'gpu': keep_decoder(device_id, self.hw_decoder_load)",
                "        if self.world_size == 1: keep_decoder(device_id, self.hw_decoder_load)",
                "a loader that decodes on the CPU keeps a GPU decoder (its 2.3 s start) anyway"),
     ('loader', "        with cpu_codecs() if on_cpu else nullcontext(): pipe.build()", "        pipe.build()",
                "a pipeline whose decoders are all on the CPU still loads and starts nvImageCodec's nvjpeg extension"),
+    ('loader', "        self._choose_decoder()\n", "\n", "decode_on='auto' never moves to the GPU's decoders"),
+    ('loader', "        waited = ranks_max(s.waited, self.device) if self.world_size > 1 else s.waited",
+               "        waited = s.waited", "each DDP rank chooses from its own waits: the ranks may rebuild at other epochs and read other orders"),
+    ('epoch', "                elif waits: waited += time.perf_counter() - start", "                pass",
+              "the host's waits for the CPU's decoders are never counted"),
 ]
 
 FAST = ['tests/test_defaults.py', 'tests/test_augment_stats.py']

@@ -20,7 +20,8 @@ from dali_fastai.data import DaliDataLoaders
 mode,clock,out = sys.argv[1],time.perf_counter,{}
 a = clock(); torch.zeros(1, device='cuda'); torch.cuda.synchronize(); out['CUDA start'] = clock() - a
 t,src,db = _task_data('classification', None, None)
-dls = DaliDataLoaders.from_dblock(db, src, bs=64, device='cuda', seed=0, **({'hw_decoder_load': 0.} if mode == 'hw0' else {}))
+dls = DaliDataLoaders.from_dblock(db, src, bs=64, device='cuda', seed=0, decode_on='gpu',  # the GPU decoder's start
+                                  **({'hw_decoder_load': 0.} if mode == 'hw0' else {}))
 def build(dl):
     a = clock(); p = dl._pipeline(0, 0); p.build(); return p,clock() - a
 if mode != 'kept':  # as before `keep_decoder`: no decoder kept beside the pipelines
