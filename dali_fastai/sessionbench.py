@@ -6,7 +6,7 @@ Docs: https://dali-fastai.github.io/dali_fastai/sessionbench.html.md"""
 
 # %% auto #0
 __all__ = ['GPU_DECODE', 'VARIANTS', 'FitEpochs', 'pipeline_builds', 'build_seconds', 'start_costs', 'spent_between',
-           'session_run', 'run_variant', 'session_bench', 'format_session']
+           'race_verdicts', 'session_run', 'run_variant', 'session_bench', 'format_session']
 
 # %% ../nbs/08f_sessionbench.ipynb #70b3459c
 import contextlib, io, json, os, statistics, subprocess, sys, time, warnings
@@ -67,6 +67,13 @@ def spent_between(before:dict, after:dict)->dict:
     "What was spent on each of `start_costs`' costs between two readings"
     return {k: None if v is None else after[k] - v for k,v in before.items()}
 
+def race_verdicts(learn, # a fastai `Learner`
+                 )->dict|None: # {'<parameters> trained': 'graph' or 'eager'}; None without `FastStep(graph='auto')`
+    "Which step `FastStep()`'s races chose (`StepRace`), by the number of parameters trained (the frozen model's race is its own)"
+    fast = next((cb for cb in learn.cbs if isinstance(cb, FastStep)), None)
+    if fast is None or fast.graph != 'auto': return None
+    return {f"{n:,} trained": winner for (_,n),winner in fast.verdicts.items()}
+
 # %% ../nbs/08f_sessionbench.ipynb #fc168535
 def _quiet(learn):
     "The learner's progress bars, logging, prints and warnings off the screen"
@@ -118,7 +125,7 @@ def session_run(variant:str, # one of `VARIANTS`
     if device.type == 'cuda': torch.cuda.synchronize(device)
     phases['session'] = clock() - start
     return dict(variant=variant, phases=phases, predicts=predicts, fits=epochs_cb.seconds(), builds=pipeline_builds(dls),
-                spent=spent, fit_spent=epochs_cb.spent(),
+                spent=spent, fit_spent=epochs_cb.spent(), races=race_verdicts(learn),
                 accuracy=float((preds.argmax(1) == targs).float().mean()), n_valid=len(targs))
 
 # %% ../nbs/08f_sessionbench.ipynb #6ebf0130
@@ -221,7 +228,9 @@ def format_session(res:dict)->str:
         if not ok: lines.append(f"{v}: failed: {rs[0]['error']}"); continue
         fits = ok[0]['fits']
         firsts = ', '.join(f"{f[0]:.2f} s" + (f" vs {statistics.median(f[1:]):.2f} s later" if len(f) > 1 else '') for f in fits)
+        races = ok[0].get('races')  # sessions read before the bench kept them have none
         lines.append(f"{v}: each fit's first epoch {firsts}; pipelines built {ok[0]['builds'] if ok[0]['builds'] is not None else '-'}; "
-                     f"accuracy {statistics.mean(r['accuracy'] for r in ok):.4f}")
+                     f"accuracy {statistics.mean(r['accuracy'] for r in ok):.4f}"
+                     + (f"; the race chose {', '.join(f'{w} with {k}' for k,w in races.items())}" if races else ''))
     for v,rs in runs.items(): lines += _where_lines(v, rs)
     return '\n'.join(lines)
