@@ -177,3 +177,14 @@ def test_auto_starts_no_gpu_decoder_until_it_moves(tmp_path, monkeypatch):
     assert dl.decoding == 'gpu' and list(_KEPT) == [0], "the GPU's decoder started, and kept for the process"
     assert all(x.is_cuda for x,_ in batches) and sorted(y for _,yb in batches for y in yb.tolist()) == list(range(12))
     release_decoders()
+
+
+def test_an_abandoned_epoch_on_the_cpus_decoders_is_built_anew_past_a_few_batches(files, monkeypatch):
+    "Where DALI's CPU threads decode, a build costs hundredths of a second: a GPU loader drains at most 4 batches, not 100"
+    import dali_fastai.loader as loader
+    from dali_fastai.epoch import default_drain_limit
+    assert (default_drain_limit(torch.device('cuda', 0), 'gpu'), default_drain_limit(torch.device('cuda', 0), 'cpu')) == (100, 4)
+    asked = []
+    monkeypatch.setattr(loader, 'default_drain_limit', lambda device, decoding: asked.append(decoding) or 4)
+    for where in ('auto', 'gpu'): index_loader(files[:8], 2, seed=0, decode_on=where).reset()
+    assert asked == ['cpu', 'gpu'], "the loader says where it decodes now"

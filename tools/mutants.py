@@ -215,6 +215,9 @@ MUTANTS = [
                "        waited = s.waited", "each DDP rank chooses from its own waits: the ranks may rebuild at other epochs and read other orders"),
     ('epoch', "                elif waits: waited += time.perf_counter() - start", "                pass",
               "the host's waits for the CPU's decoders are never counted"),
+    ('loader', "        self._source.abandon(default_drain_limit(self.device, self.decoding) if",
+               "        self._source.abandon(default_drain_limit(self.device) if",
+               "a loader on DALI's CPU threads drains 100 batches of an abandoned epoch rather than build anew"),
 ]
 
 FAST = ['tests/test_defaults.py', 'tests/test_augment_stats.py']
