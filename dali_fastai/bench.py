@@ -34,10 +34,10 @@ def bench(path:str|Path|None=None, # ImageNet-style folder; default: `bench_imag
     device = as_device(device)
     path = bench_images() if path is None else Path(path)
     counters = clock_slowdowns(device)
+    dali_kwargs = {**STEADY_PACE, **dali_kwargs}  # the GPU pipeline's pace, unless the caller names where to decode
     res = dict(machine=machine_info(device), settings=dict(path=str(path), size=size, bs=bs, n_batches=n_batches,
                warmup=warmup, passes=passes, device=str(device), **{k: str(v) for k,v in dali_kwargs.items()}),
                loader={}, training={}, memory={}, left_to_fastai={})
-    dali_kwargs = {**STEADY_PACE, **dali_kwargs}  # the GPU pipeline's pace, unless the caller names where to decode
     dls = DaliDataLoaders.from_folder(path, bs=bs, size=size, device=device, seed=0, **dali_kwargs)
     res['memory']['train_pipeline'] = pipeline_memory(dls.train, device)
     res['memory']['valid_pipeline'] = pipeline_memory(dls.valid, device)

@@ -121,8 +121,7 @@ class DaliEpoch:
     def __init__(self, it:DALIGenericIterator, # the pipeline's iterator, at the start of a DALI epoch (or of a resumed one)
                  n:int, # batches this epoch yields (`len(dl)`)
                  taken:int=0, # batches of a resumed epoch already taken
-                 source=None, # the `PipelineSource` of `it`: the wait for a new build's first batch is counted there, and with
-                              # its `time_waits` the host's waits for the batches after it (`waited`)
+                 source=None, # the `PipelineSource` of `it`: its new build's first batch is timed there, and the later ones' waits (`time_waits`)
                 ):
         self.it,self.n,self.taken,self.done = it,n,taken,False
         # the source of a build not read yet, whose first batch this epoch times; weakly: the source holds this epoch
@@ -175,7 +174,6 @@ def ranks_max(value:float, # this process's value
     t = torch.tensor([float(value)], device=device if dist.get_backend() == 'nccl' else 'cpu')
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t.item())
-
 
 # %% ../nbs/04_epoch.ipynb #8f7b1784
 _RANK_STREAM = 1 << 20  # a rank's augmentation seed is derived from (seed, build, _RANK_STREAM, rank)
@@ -252,14 +250,11 @@ class PipelineSource:
     def state(self)->dict:
         "Build number, order seed and DALI's checkpoint (reader positions, random generators), JSON-ready"
         return {'build': self.builds - 1 if self.it is None else self.build, 'order_seed': self.order_seed,
-                'dali': None if self.it is None else base64.b64encode(self.it.checkpoints()[0]).decode(),
-                'gpu_decode': self.gpu_decode, 'waited': self.waited}
+                'dali': None if self.it is None else base64.b64encode(self.it.checkpoints()[0]).decode()}
     def load(self, state:dict):
         "Make the next build continue from `state`"
         self.close()
         self.builds = state['build'] + 1
-        # the decoder the checkpoint's graph had (DALI restores a checkpoint into the same graph), and the waits counted
-        self.gpu_decode,self.waited = state.get('gpu_decode', False),state.get('waited', 0.)
         if state['dali'] is not None: self.resume = state
 
 # %% ../nbs/04_epoch.ipynb #4f8656cf

@@ -8,7 +8,7 @@ Docs: https://dali-fastai.github.io/dali_fastai/loader.html.md"""
 __all__ = ['AUG_OPTIONS', 'DaliDataLoader']
 
 # %% ../nbs/05_loader.ipynb #20a7e3fb
-import inspect, os
+import inspect, math, os
 from contextlib import nullcontext
 from functools import partial
 import numpy as np
@@ -43,6 +43,7 @@ def _loader_settings(cls)->list:
 
 # %% ../nbs/05_loader.ipynb #8d43dbd3
 AUG_OPTIONS = {'area', 'ratio', 'n_warps'} | set(inspect.signature(augment).parameters) - {'images', 'size'}
+_AUTO_STATE = ('gpu_decode', 'waited')  # `decode_on='auto'`'s state in a loader's `PipelineSource`: its choice, and the waits it weighed
 
 class DaliDataLoader(BatchDisplay):
     "A fastai-style loader over one DALI pipeline; every `iter()` is a whole, fresh epoch"
@@ -55,14 +56,14 @@ class DaliDataLoader(BatchDisplay):
                  drop_last:bool|None=None, # drop the last partial batch; default: `train`
                  device:str|torch.device|None=None, # where batches land and DALI runs; default: the GPU if visible
                  seed:int|None=None, # seed for order, augmentation and the fixed warps; None: random
-                 num_threads:int|None=None, # DALI CPU threads; default: `default_threads(decode_on)` (every core, a rank's share, with decode_on='cpu')
+                 num_threads:int|None=None, # DALI CPU threads; default: `default_threads(decoding)` (every core, a rank's share, while DALI's CPU threads decode)
                  prefetch:int=2, # batches DALI prepares ahead
                  mean:tuple|None=None, # normalization mean, 0..1 scale; default: ImageNet's with keywords, fastai's `Normalize` with fastai transforms
                  std:tuple|None=None, # normalization std, 0..1 scale; likewise
                  dtype:str='float32', # 'float32' or 'float16' images
                  crop_pct:float=0.875, # validation with keywords: centre crop's share of the resized shorter side
                  hw_decoder_load:float=HW_DECODER_LOAD, # GPU: share of JPEGs for the hardware JPEG decoder (A100, H100, H200)
-                 decode_on:str='auto', # GPU: decode JPEGs on the 'gpu', on DALI's 'cpu' threads (no GPU decoder to start: `cpu_codecs`), or 'auto': the CPU's until the GPU's start pays (`decoding`)
+                 decode_on:str='auto', # GPU: JPEGs decoded on the 'gpu', on DALI's 'cpu' threads, or 'auto': the CPU's until the GPU's start pays
                  priority_stream:bool=True, # GPU: while iterated, PyTorch works on a high-priority stream (`priority_stream`)
                  drain_limit:int|None=None, # an abandoned epoch with at most this many batches left is drained, else rebuilt; None: `default_drain_limit(device, decoding)`
                  skip_bad_files:bool=False, # leave out files that fail `check_images` (with one warning), instead of raising
@@ -203,16 +204,20 @@ class DaliDataLoader(BatchDisplay):
 
     def _choose_decoder(self):
         "With decode_on='auto': decode on the GPU from this epoch on once the host has waited for DALI's CPU threads longer than the GPU decoder's start costs"
-        s,device_id = self._source,dali_device_id(self.device)
-        # a DDP rank's validation loader keeps the CPU's: the ranks must choose together, and only training runs in step for sure
-        # (on DALI's CPU backend there is no GPU decoder: it would cost `inf`, so the CPU's stay)
-        if self.decode_on != 'auto' or s.gpu_decode or self._fed or (self.world_size > 1 and not self.train): return
+        s = self._source
+        # fed pipelines (validation, `test_dl`, `predict`) serve short passes; a DDP rank's validation loader may be read by
+        # one rank alone; a resumed epoch continues the graph its checkpoint came from
+        if self.decode_on != 'auto' or s.gpu_decode or self._fed or s.resume is not None or (self.world_size > 1 and not self.train): return
+        cost = gpu_decoder_cost(dali_device_id(self.device), self._ranks_here)
+        if math.isinf(cost): return  # DALI's CPU backend: no GPU decoder to move to, nothing to count
         s.time_waits = True  # its epochs count the host's waits (`DaliEpoch`)
-        if self._epoch_no <= 1: return  # nothing read yet: every rank knows it without asking the others
-        waited = ranks_max(s.waited, self.device) if self.world_size > 1 else s.waited
-        if waited < gpu_decoder_cost(device_id, self._ranks_here): return
+        move = s.waited > 0 and s.waited >= cost
+        # DDP: every rank moves when one would (the ranks may price the start apart: a decoder kept on one GPU only), so all
+        # rebuild at the same epoch and keep one order; asked at every training epoch's start, on every rank alike
+        if self.world_size > 1: move = ranks_max(float(move), self.device) > 0
+        if not move: return
         s.gpu_decode,s.time_waits = True,False
-        s.close()  # the CPU-decoding pipeline goes (with any other split's): the next build decodes on the GPU
+        s.close()  # the CPU-decoding pipeline goes (with any other split's), undrained: the next build decodes on the GPU
 
     def _iterator(self)->DALIGenericIterator:
         "The DALI iterator for the current split and shard (the order is the same on every rank; augmentation differs)"
@@ -220,7 +225,6 @@ class DaliDataLoader(BatchDisplay):
         if self._fed:
             self._source = self._pooled()  # its split's: fastai's `tta` reads the items with the training transforms too
             return self._source.start(self.items.files, self._side_files(), key, self._pipeline, self.seed, stream)
-        self._choose_decoder()
         # sharded: PARTIAL, and the epoch stops every rank at `len(self)` (DALI's DROP repeats padding samples then)
         return self._source.iterator(key, self._pipeline, self.seed, stream, drop_last=self.drop_last and self.world_size == 1)
 
@@ -233,7 +237,7 @@ class DaliDataLoader(BatchDisplay):
         old,self._fed = self._source,False
         self._source = PipelineSource(old.names)
         self._source.builds,self._source.order_seed = old.builds,old.order_seed  # a rebuilt loader draws seeds anew
-        self._source.gpu_decode,self._source.waited = old.gpu_decode,old.waited  # 'auto''s choice, and what it weighed, stay
+        for k in _AUTO_STATE: setattr(self._source, k, getattr(old, k))  # 'auto''s choice, and what it weighed, stay
 
     def _settings(self)->dict:
         "What this loader's pipeline is made from, but its items: its settings and augmentation, split and shard"
@@ -270,7 +274,10 @@ class DaliDataLoader(BatchDisplay):
                                               "with seed=..., or pass the seed rank 0 drew (DaliDistributed does)")
             self.seed = seed
             if self._auto_warps: self._set_warps(synthetic_warps(len(self.aug['warps']), self.aug.get('warp_magnitude', 0.1), seed))
-        if (rank, world_size) != (self.rank, self.world_size): self._detach()
+        if (rank, world_size) != (self.rank, self.world_size):
+            self._detach()
+            # the ranks start alike: what one process counted (or chose) on its own before DDP is not the others'
+            if world_size > 1: self._source.gpu_decode,self._source.waited = False,0.
         self.rank,self.world_size = rank,world_size
         return self
 
@@ -286,7 +293,7 @@ class DaliDataLoader(BatchDisplay):
         return {'format': 1, 'n_items': len(self.items), 'bs': self.bs, 'world_size': self.world_size, 'rank': self.rank,
                 'epoch': self._epoch_no, 'taken': 0 if e is None or e.done else e.taken,
                 'warps': None if self.aug.get('warps') is None else np.asarray(self.aug['warps']).tolist(),
-                **self._source.state()}
+                'decoding': self.decoding, 'waited': self._source.waited, **self._source.state()}
 
     def load_state_dict(self, state:dict, # from `state_dict`
                        ):
@@ -301,7 +308,18 @@ class DaliDataLoader(BatchDisplay):
         if state['warps'] is not None: self._set_warps(state['warps'])
         self._epoch_no = state['epoch']
         self._source.load(state)
+        self._resume_decoding(state)
         self._taken_at_resume = state['taken'] if state['dali'] is not None else 0
+
+    def _resume_decoding(self, state:dict):
+        "Decode where the saved loader did: DALI restores a checkpoint only into the graph it was taken from"
+        saved = state.get('decoding', 'gpu')  # states saved before decode_on='auto' came from the GPU's decoders, the default then
+        if state['dali'] is not None and dali_device_id(self.device) is not None and self.decode_on not in ('auto', saved):
+            raise ValueError(f"this state was saved by a loader that decoded its JPEGs on the {saved.upper()} (decode_on={saved!r}), "
+                             f"and DALI resumes a checkpoint only into the same graph: make this loader with decode_on={saved!r} "
+                             "or 'auto' (the default), then load the state")
+        s = self._source
+        s.gpu_decode,s.waited = saved == 'gpu',state.get('waited', 0.)
 
     def reset(self):
         "Make the next `iter()` start a whole epoch, whatever happened to the last one"
@@ -320,6 +338,7 @@ class DaliDataLoader(BatchDisplay):
 
     def _start_epoch(self)->DaliEpoch:
         "The next epoch, after the last one is finished or thrown away (a resumed one skips the batches already taken)"
+        self._choose_decoder()  # before `reset`: a pipeline that goes is not drained first
         self.reset()
         self._epoch_no += 1
         taken,self._taken_at_resume = self._taken_at_resume,0

@@ -267,7 +267,6 @@ def gpu_decoder_cost(device_id:int|None, # the loader's GPU; None: DALI's CPU ba
     if device_id in _KEPT: return GPU_DECODER_BUILD
     return GPU_DECODER_START if ranks_here == 1 else DDP_DECODER_START
 
-
 # %% ../nbs/03c_pipeline.ipynb #0f8a9592
 _GPU_EXTENSIONS = ('libnvjpeg', 'libnvtiff')  # nvImageCodec's CUDA extensions (nvjpeg, nvjpeg2k, nvtiff), by file name
 _CPU_ONLY = []  # the folder of links to its CPU extensions, made once a process (a `TemporaryDirectory`, removed at exit)

@@ -2,6 +2,7 @@
 sees only its CPU extensions (`cpu_codecs`), with no GPU decoder kept for the process; `decode_on='auto'` (the default):
 there until the host has waited for them longer than the GPU decoder's start costs, then on the GPU."""
 import math, os, subprocess, sys
+from pathlib import Path
 from contextlib import contextmanager
 import numpy as np
 import pytest
@@ -65,7 +66,7 @@ def test_auto_moves_to_the_gpu_once_the_waits_have_paid_its_start(files, monkeyp
     dl = index_loader(files[:12], 3, train=True, seed=0)
     told = _told(dl, monkeypatch)
     assert (dl.decode_on, dl.decoding) == ('auto', 'cpu')
-    _switch_costs(monkeypatch, math.inf)  # DALI's CPU backend: never worth it
+    _switch_costs(monkeypatch, 1e9)  # not worth it yet
     _every_item_once(dl, 12, 3)
     assert told == ['cpu'] and dl._source.waited > 0, "one build, on the CPU's threads, its waits counted"
     _switch_costs(monkeypatch, 0.)  # the waits have paid for the start
@@ -93,10 +94,29 @@ def test_get_preds_copy_and_resume_keep_the_choice(files, monkeypatch):
     _every_item_once(copy, 8, 1)
     assert dl._source.builds == 2, "the copy built nothing"
     state = dl.state_dict()
-    assert state['gpu_decode']
+    assert state['decoding'] == 'gpu' and state['waited'] == dl._source.waited > 0
     fresh = index_loader(files[:8], 2, seed=0)
     fresh.load_state_dict(state)
     assert fresh.decoding == 'gpu'
+
+
+def test_a_resumed_epoch_keeps_its_checkpoints_graph(files, monkeypatch):
+    "A state saved mid-epoch on the CPU's decoders resumes there, whatever the waits say then; a loader told to decode elsewhere says so"
+    import dali_fastai.loader as loader
+    _switch_costs(monkeypatch, 1e9)
+    dl = index_loader(files[:12], 2, train=True, seed=0)
+    _every_item_once(dl, 12, 2)
+    batches = iter(dl); next(batches)
+    state = dl.state_dict()
+    assert (state['decoding'], state['taken']) == ('cpu', 1)
+    _switch_costs(monkeypatch, 0.)  # the waits would pay now: not in the middle of the saved epoch
+    fresh = index_loader(files[:12], 2, train=True, seed=0)
+    fresh.load_state_dict(state)
+    told = _told(fresh, monkeypatch)  # after the load, which makes the recipes anew with the saved warps
+    assert len(list(fresh)) == 5 and told == ['cpu'], "the rest of the epoch, through the graph the checkpoint came from"
+    monkeypatch.setattr(loader, 'dali_device_id', lambda device: 0)  # as on a GPU, where the graphs differ
+    with pytest.raises(ValueError, match=r"decoded its JPEGs on the CPU \(decode_on='cpu'\).*make this loader with decode_on='cpu' or 'auto'"):
+        index_loader(files[:12], 2, train=True, seed=0, decode_on='gpu').load_state_dict(state)
 
 
 def test_a_ranks_validation_loader_keeps_the_cpus_decoders(files, monkeypatch):
@@ -107,16 +127,44 @@ def test_a_ranks_validation_loader_keeps_the_cpus_decoders(files, monkeypatch):
     assert (valid.decoding, train.decoding) == ('cpu', 'gpu')
 
 
-def test_a_ranks_training_loader_chooses_from_every_ranks_waits(files, monkeypatch):
-    "Under DDP a training loader asks `ranks_max` at each epoch's start (after the first), and chooses from its answer, not its own waits"
+def test_a_ranks_training_loader_moves_when_any_rank_would(files, monkeypatch):
+    "Under DDP a training loader asks `ranks_max` at every epoch's start whether any rank would move, and moves on its answer, not its own"
     import dali_fastai.loader as loader
     asked = []
-    monkeypatch.setattr(loader, 'ranks_max', lambda v, device: asked.append(v) or 10.)  # another rank waited 10 s
+    monkeypatch.setattr(loader, 'ranks_max', lambda v, device: asked.append(v) or float(len(asked) == 2))  # another rank would, at the 2nd
     _switch_costs(monkeypatch, 5.)
     train = index_loader(files[:8], 2, train=True, seed=0).shard(0, 2)
-    for _ in range(2): epoch_items(train)
-    assert len(asked) == 1 and asked[0] < 5., "asked once (the second epoch's start), with this rank's own short waits"
-    assert train.decoding == 'gpu', "chose from the longest wait of the ranks"
+    for _ in range(3): epoch_items(train)
+    assert asked == [0., 0.] and train.decoding == 'gpu', "asked at each start until it moved, with its own verdict: no"
+
+
+_MOVE_TOGETHER = """
+import sys, torch, torch.distributed as dist
+sys.path.insert(0, sys.argv[3])
+from helpers import index_loader
+import dali_fastai.loader as loader
+rank = int(sys.argv[1])
+loader.gpu_decoder_cost = lambda device_id, ranks_here: 0. if rank == 0 else 1e9  # only rank 0 finds the start paid
+dist.init_process_group('gloo', init_method='file://' + sys.argv[2], rank=rank, world_size=2)
+from pathlib import Path
+dl = index_loader(sorted(Path(sys.argv[4]).glob('*.png'))[:16], 2, train=True, seed=0).shard(rank, 2)
+where = []
+for _ in range(3): where.append(dl.decoding); list(dl)
+print(where + [dl.decoding], dl._source.builds)
+dist.destroy_process_group()
+"""
+
+def test_the_ranks_move_at_the_same_epoch(files, tmp_path):
+    "Two processes (gloo), only one of which would move: both move at the same epoch (a rank left asking alone would hang DDP)"
+    script = tmp_path/'move_together.py'
+    script.write_text(_MOVE_TOGETHER)
+    tests = str(Path(__file__).parent)
+    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path/'store'), tests, str(files[0].parent)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for r in range(2)]
+    try: outs = [p.communicate(timeout=240)[0].strip().splitlines()[-1] for p in procs]
+    finally:
+        for p in procs: p.kill()
+    assert outs == ["['cpu', 'cpu', 'gpu', 'gpu'] 2"]*2, outs
 
 
 _RANKS_MAX = """
@@ -169,7 +217,7 @@ def test_auto_starts_no_gpu_decoder_until_it_moves(tmp_path, monkeypatch):
     items = _jpegs(tmp_path, 12)
     release_decoders()
     dl = DaliDataLoader(items, bs=4, size=32, device='cuda', seed=0, train=True)
-    _switch_costs(monkeypatch, math.inf)
+    _switch_costs(monkeypatch, 1e9)  # not worth it yet
     for _ in range(2): assert sorted(y for _,yb in dl for y in yb.tolist()) == list(range(12))
     assert _KEPT == {} and dl.decoding == 'cpu' and dl._source.waited > 0
     _switch_costs(monkeypatch, 0.)

@@ -258,8 +258,8 @@ def main():
     p.add_argument('--fresh', action='store_true', help="--compare: run every case again, not only those missing from --out")
     p.add_argument('--cases', default=None, help="--compare: only these cases, by their row in the table, e.g. 1,3,5 (default: all)")
     p.add_argument('--num-threads', type=int, default=None, help="the loaders' DALI CPU threads a pipeline (default: "
-                   "default_threads(decode_on): the cores this process may use, at most 8, or with --decode-on cpu all of them, a "
-                   "rank's share): what the loader's cost under DDP owes to them")
+                   "default_threads(decoding): the cores this process may use, at most 8, or while DALI's CPU threads decode (--decode-on "
+                   "cpu, or auto before it moves) all of them, a rank's share): what the loader's cost under DDP owes to them")
     p.add_argument('--hw-decoder-load', type=float, default=None, help="the loaders' share of JPEGs for the GPU's hardware "
                    "decoder (default: HW_DECODER_LOAD, 0.65; the rest decode on the SMs, beside the step and NCCL); on 4 "
                    "H100s 0 trained resnet50 faster and 1.0 slower, and 0 trained resnet18 slower (ddp_levers_h100x4_20261127.txt)")

@@ -31,7 +31,7 @@ def passes(task:str='detection', epochs:int=10):
     t,src,db = _task_data(task, None, None)
     for freeze in (True, False):
         set_seed(0)
-        dls = DaliDataLoaders.from_dblock(db, src, bs=64, device='cuda', seed=0)
+        dls = DaliDataLoaders.from_dblock(db, src, bs=64, device='cuda', seed=0, decode_on='gpu')
         learn = t.learner(dls, [FastStep(graph=True, freeze_gc=freeze), Epochs()], metric=True, size=t.size)
         print(f"{task}, FastStep(graph=True, freeze_gc={freeze}): {len(gc.get_objects())} objects tracked", flush=True)
         with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(epochs, t.lr)

@@ -39,7 +39,7 @@ def profile_steps(task:str='detection', steps:int=10, skip:int=8):
                 torch.cuda.synchronize(); self.prof.__exit__(None, None, None); raise CancelFitException()
 
     t,src,db = _task_data(task, None, None)
-    dls = DaliDataLoaders.from_dblock(db, src, bs=64, device='cuda', seed=0)
+    dls = DaliDataLoaders.from_dblock(db, src, bs=64, device='cuda', seed=0, decode_on='gpu')
     learn = t.learner(dls, [FastStep(), p := Profiled()], metric=False, size=t.size)
     with learn.no_bar(), learn.no_logging(): learn.fit(-(-(skip + steps) // len(dls.train)) + 1, t.lr)
     ev = p.prof.key_averages()

@@ -24,7 +24,7 @@ def main(task:str='detection', batches:int=10):
     from dali_fastai.faststep import FastStep
     from fastai.callback.core import Callback, CancelValidException
     t,src,db = _task_data(task, None, None)
-    learn = t.learner(DaliDataLoaders.from_dblock(db, src, bs=64, device='cuda', seed=0), [FastStep()], metric=False, size=t.size)
+    learn = t.learner(DaliDataLoaders.from_dblock(db, src, bs=64, device='cuda', seed=0, decode_on='gpu'), [FastStep()], metric=False, size=t.size)
     sites = collections.Counter()
     def seen(message, category, filename, lineno, file=None, line=None):
         if 'synchroniz' not in str(message): return
