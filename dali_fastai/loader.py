@@ -304,22 +304,22 @@ class DaliDataLoader(BatchDisplay):
         diff = [f"{k} {state[k]} there, {v} here" for k,v in here.items() if state[k] != v]
         if diff: raise ValueError(f"this state is from a different loader ({', '.join(diff)}): resume with the same "
                                   "items, bs and number of ranks")
+        saved = self._saved_decoding(state)  # checked before anything changes: a refused state leaves this loader as it was
         self._detach()
         if state['warps'] is not None: self._set_warps(state['warps'])
         self._epoch_no = state['epoch']
         self._source.load(state)
-        self._resume_decoding(state)
+        self._source.gpu_decode,self._source.waited = saved == 'gpu',state.get('waited', 0.)  # an 'auto' loader decodes there too
         self._taken_at_resume = state['taken'] if state['dali'] is not None else 0
 
-    def _resume_decoding(self, state:dict):
-        "Decode where the saved loader did: DALI restores a checkpoint only into the graph it was taken from"
+    def _saved_decoding(self, state:dict)->str:
+        "Where the saved loader decoded its JPEGs; this loader must decode there too: DALI restores a checkpoint only into the graph it was taken from"
         saved = state.get('decoding', 'gpu')  # states saved before decode_on='auto' came from the GPU's decoders, the default then
         if state['dali'] is not None and dali_device_id(self.device) is not None and self.decode_on not in ('auto', saved):
             raise ValueError(f"this state was saved by a loader that decoded its JPEGs on the {saved.upper()} (decode_on={saved!r}), "
                              f"and DALI resumes a checkpoint only into the same graph: make this loader with decode_on={saved!r} "
                              "or 'auto' (the default), then load the state")
-        s = self._source
-        s.gpu_decode,s.waited = saved == 'gpu',state.get('waited', 0.)
+        return saved
 
     def reset(self):
         "Make the next `iter()` start a whole epoch, whatever happened to the last one"

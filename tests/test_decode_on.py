@@ -115,8 +115,11 @@ def test_a_resumed_epoch_keeps_its_checkpoints_graph(files, monkeypatch):
     told = _told(fresh, monkeypatch)  # after the load, which makes the recipes anew with the saved warps
     assert len(list(fresh)) == 5 and told == ['cpu'], "the rest of the epoch, through the graph the checkpoint came from"
     monkeypatch.setattr(loader, 'dali_device_id', lambda device: 0)  # as on a GPU, where the graphs differ
+    told_gpu = index_loader(files[:12], 2, train=True, seed=0, decode_on='gpu')
+    before = (told_gpu._source, told_gpu._epoch_no)
     with pytest.raises(ValueError, match=r"decoded its JPEGs on the CPU \(decode_on='cpu'\).*make this loader with decode_on='cpu' or 'auto'"):
-        index_loader(files[:12], 2, train=True, seed=0, decode_on='gpu').load_state_dict(state)
+        told_gpu.load_state_dict(state)
+    assert (told_gpu._source, told_gpu._epoch_no) == before, "the refused state changed nothing"
 
 
 def test_a_ranks_validation_loader_keeps_the_cpus_decoders(files, monkeypatch):
