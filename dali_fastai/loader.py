@@ -211,7 +211,7 @@ class DaliDataLoader(BatchDisplay):
         cost = gpu_decoder_cost(dali_device_id(self.device), self._ranks_here)
         if math.isinf(cost): return  # DALI's CPU backend: no GPU decoder to move to, nothing to count
         s.time_waits = True  # its epochs count the host's waits (`DaliEpoch`)
-        move = s.waited > 0 and s.waited >= cost
+        move = s.waited >= cost
         # DDP: every rank moves when one would (the ranks may price the start apart: a decoder kept on one GPU only), so all
         # rebuild at the same epoch and keep one order; asked at every training epoch's start, on every rank alike
         if self.world_size > 1: move = ranks_max(float(move), self.device) > 0
@@ -232,12 +232,13 @@ class DaliDataLoader(BatchDisplay):
         "Free the DALI pipeline and its memory (for the loaders sharing it too); the next `iter()` builds a new one"
         self._source.close()
 
-    def _detach(self):
+    def _detach(self, keep_choice:bool=True, # keep `decode_on='auto'`'s choice and the waits it weighed
+               ):
         "A pipeline of this loader's own from now on, for settings that changed; loaders that shared the old one keep it"
         old,self._fed = self._source,False
         self._source = PipelineSource(old.names)
         self._source.builds,self._source.order_seed = old.builds,old.order_seed  # a rebuilt loader draws seeds anew
-        for k in _AUTO_STATE: setattr(self._source, k, getattr(old, k))  # 'auto''s choice, and what it weighed, stay
+        for k in _AUTO_STATE if keep_choice else (): setattr(self._source, k, getattr(old, k))
 
     def _settings(self)->dict:
         "What this loader's pipeline is made from, but its items: its settings and augmentation, split and shard"
@@ -274,10 +275,8 @@ class DaliDataLoader(BatchDisplay):
                                               "with seed=..., or pass the seed rank 0 drew (DaliDistributed does)")
             self.seed = seed
             if self._auto_warps: self._set_warps(synthetic_warps(len(self.aug['warps']), self.aug.get('warp_magnitude', 0.1), seed))
-        if (rank, world_size) != (self.rank, self.world_size):
-            self._detach()
-            # the ranks start alike: what one process counted (or chose) on its own before DDP is not the others'
-            if world_size > 1: self._source.gpu_decode,self._source.waited = False,0.
+        # the ranks start 'auto''s count alike: what one process counted (or chose) on its own before DDP is not the others'
+        if (rank, world_size) != (self.rank, self.world_size): self._detach(keep_choice=world_size == 1)
         self.rank,self.world_size = rank,world_size
         return self
 

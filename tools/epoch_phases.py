@@ -19,6 +19,7 @@ def main(task:str='detection', epochs:int=4):
     from fastai.vision.all import Callback, set_seed
     from dali_fastai.stepbench import _task_data
     from dali_fastai.data import DaliDataLoaders
+    from dali_fastai.measure import STEADY_PACE
     from dali_fastai.faststep import FastStep
     from dali_fastai.detection import DetectionMAP
     t,src,db = _task_data(task, None, None)
@@ -43,7 +44,7 @@ def main(task:str='detection', epochs:int=4):
             a = time.perf_counter(); r = super().numbers(); add('COCO evaluation', time.perf_counter() - a); return r
     for graph in (True, False):
         set_seed(0); spent.clear()
-        dls = DaliDataLoaders.from_dblock(db, src, bs=64, device='cuda', seed=0, decode_on='gpu')
+        dls = DaliDataLoaders.from_dblock(db, src, bs=64, device='cuda', seed=0, **STEADY_PACE)
         learn = t.learner(dls, [FastStep(graph=graph), Phases()], metric=True, size=t.size)
         learn.metrics = [m := Timed(), Timed('map_50', of=m)]
         with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(epochs, t.lr)

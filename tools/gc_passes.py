@@ -16,6 +16,7 @@ def passes(task:str='detection', epochs:int=10):
     from fastai.torch_core import set_seed
     from dali_fastai.stepbench import _task_data
     from dali_fastai.data import DaliDataLoaders
+    from dali_fastai.measure import STEADY_PACE
     from dali_fastai.faststep import FastStep
     spent,counts,start = collections.defaultdict(float),collections.Counter(),{}
     def timed(phase, info):
@@ -31,7 +32,7 @@ def passes(task:str='detection', epochs:int=10):
     t,src,db = _task_data(task, None, None)
     for freeze in (True, False):
         set_seed(0)
-        dls = DaliDataLoaders.from_dblock(db, src, bs=64, device='cuda', seed=0, decode_on='gpu')
+        dls = DaliDataLoaders.from_dblock(db, src, bs=64, device='cuda', seed=0, **STEADY_PACE)
         learn = t.learner(dls, [FastStep(graph=True, freeze_gc=freeze), Epochs()], metric=True, size=t.size)
         print(f"{task}, FastStep(graph=True, freeze_gc={freeze}): {len(gc.get_objects())} objects tracked", flush=True)
         with learn.no_bar(), learn.no_logging(): learn.fit_one_cycle(epochs, t.lr)

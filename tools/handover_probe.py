@@ -27,7 +27,7 @@ from nvidia.dali import types
 from fastai.callback.core import Callback
 from fastai.data.core import DataLoaders
 
-from dali_fastai.measure import bench_images, training_throughput, side_by_side, SyntheticLoader, _endless
+from dali_fastai.measure import STEADY_PACE, bench_images, training_throughput, side_by_side, SyntheticLoader, _endless
 from dali_fastai.data import DaliDataLoaders
 
 
@@ -143,7 +143,7 @@ if __name__ == '__main__':
         dt.decode_random_crop = functools.partial(dp.decode_random_crop, **{k: int(v) for k,v in (x.split('=') for x in a.decoder_kw)})
     kw = {k: (float(v) if '.' in v else int(v)) for k,v in (x.split('=') for x in a.kw)}
     path,synth = bench_images(),SyntheticLoader(256, 224, 10, torch.device('cuda'))
-    dls = DaliDataLoaders.from_folder(path, bs=256, size=224, device='gpu', seed=0, **{'decode_on': 'gpu', **kw})
+    dls = DaliDataLoaders.from_folder(path, bs=256, size=224, device='gpu', seed=0, **{**STEADY_PACE, **kw})
     cpm = cycles_per_ms()
     print(f"== {torch.cuda.get_device_name()} | {a.arch}, bs 256, 224 px | {cpm:,.0f} cycles/ms", flush=True)
     if a.parts:

@@ -20,6 +20,7 @@ def profile_steps(task:str='detection', steps:int=10, skip:int=8):
     from fastai.callback.core import Callback, CancelFitException, CancelValidException
     from dali_fastai.stepbench import _task_data
     from dali_fastai.data import DaliDataLoaders
+    from dali_fastai.measure import STEADY_PACE
     from dali_fastai.faststep import FastStep
 
     class Profiled(Callback):
@@ -39,7 +40,7 @@ def profile_steps(task:str='detection', steps:int=10, skip:int=8):
                 torch.cuda.synchronize(); self.prof.__exit__(None, None, None); raise CancelFitException()
 
     t,src,db = _task_data(task, None, None)
-    dls = DaliDataLoaders.from_dblock(db, src, bs=64, device='cuda', seed=0, decode_on='gpu')
+    dls = DaliDataLoaders.from_dblock(db, src, bs=64, device='cuda', seed=0, **STEADY_PACE)
     learn = t.learner(dls, [FastStep(), p := Profiled()], metric=False, size=t.size)
     with learn.no_bar(), learn.no_logging(): learn.fit(-(-(skip + steps) // len(dls.train)) + 1, t.lr)
     ev = p.prof.key_averages()

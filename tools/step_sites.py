@@ -20,11 +20,11 @@ def main(task:str='detection', batches:int=10):
     from torch.profiler import profile, ProfilerActivity
     from dali_fastai.stepbench import _task_data, device_ms
     from dali_fastai.data import DaliDataLoaders
-    from dali_fastai.measure import Throughput
+    from dali_fastai.measure import STEADY_PACE, Throughput
     from dali_fastai.faststep import FastStep
     from fastai.callback.core import Callback, CancelValidException
     t,src,db = _task_data(task, None, None)
-    learn = t.learner(DaliDataLoaders.from_dblock(db, src, bs=64, device='cuda', seed=0, decode_on='gpu'), [FastStep()], metric=False, size=t.size)
+    learn = t.learner(DaliDataLoaders.from_dblock(db, src, bs=64, device='cuda', seed=0, **STEADY_PACE), [FastStep()], metric=False, size=t.size)
     sites = collections.Counter()
     def seen(message, category, filename, lineno, file=None, line=None):
         if 'synchroniz' not in str(message): return

@@ -47,7 +47,7 @@ from fastai.callback.core import Callback, CancelValidException
 from fastai.data.core import DataLoaders
 from fastai.optimizer import OptimWrapper
 
-from dali_fastai.measure import bench_images, SyntheticLoader, throughput_learner
+from dali_fastai.measure import STEADY_PACE, bench_images, SyntheticLoader, throughput_learner
 from dali_fastai.data import DaliDataLoaders
 from dali_fastai.pipeline import valid_pipeline
 
@@ -178,7 +178,7 @@ if __name__ == '__main__':
     if a.burner: burn(sorted(str(f) for f in Path(a.burner).rglob('*.jpg')), a.burn); raise SystemExit
     settings = lambda kws: {k: (float(v) if '.' in v else int(v)) for k,v in (x.split('=') for x in kws)}
     kw,versus = settings(a.kw),settings(a.versus)
-    make = lambda **more: DaliDataLoaders.from_folder(bench_images(n_per_class=a.n_per_class), bs=256, size=224, device='gpu', seed=0, **{'decode_on': 'gpu', **kw, **more})
+    make = lambda **more: DaliDataLoaders.from_folder(bench_images(n_per_class=a.n_per_class), bs=256, size=224, device='gpu', seed=0, **{**STEADY_PACE, **kw, **more})
     dls = make()
     synth = SyntheticLoader(256, 224, 10, torch.device('cuda'), n=len(dls.train))
     if a.burn:

@@ -19,7 +19,7 @@ from torch.profiler import profile, ProfilerActivity
 from fastai.callback.core import Callback, CancelFitException
 from fastai.data.core import DataLoaders
 
-from dali_fastai.measure import bench_images, training_throughput, throughput_learner, side_by_side, SyntheticLoader
+from dali_fastai.measure import STEADY_PACE, bench_images, training_throughput, throughput_learner, side_by_side, SyntheticLoader
 from dali_fastai.data import DaliDataLoaders
 
 
@@ -84,7 +84,7 @@ def _value(v:str):
     return v
 
 def parse_levers(levers:list)->dict:
-    "`['hw_decoder_load=1.0', 'num_threads=4', 'decode_on=cpu']` -> `{'hw_decoder_load=1.0': {...}, ...}`; '' is the defaults (decoding on the GPU: the tools time the GPU pipeline's steady pace)"
+    "`['hw_decoder_load=1.0', 'num_threads=4', 'decode_on=cpu']` -> `{'hw_decoder_load=1.0': {...}, ...}`; '' is the defaults (`STEADY_PACE`: the GPU pipeline's steady pace)"
     res = {}
     for lever in levers:
         kw = {}
@@ -103,7 +103,7 @@ if __name__ == '__main__':
     p.add_argument('--profile', nargs='*', default=['', 'hw_decoder_load=1.0'], help="levers to profile")
     a = p.parse_args()
     path,synth = bench_images(),SyntheticLoader(256, 224, 10, torch.device('cuda'))
-    make = lambda kw: DaliDataLoaders.from_folder(path, bs=256, size=224, device='gpu', seed=0, **{'decode_on': 'gpu', **kw})
+    make = lambda kw: DaliDataLoaders.from_folder(path, bs=256, size=224, device='gpu', seed=0, **{**STEADY_PACE, **kw})
     sdls = DataLoaders(synth, synth); sdls.c = 10
     print(f"== {torch.cuda.get_device_name()} | {a.arch}, bs 256, 224 px, bf16, channels_last", flush=True)
     print('== 1. step times (training batches)')
