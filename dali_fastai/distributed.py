@@ -6,7 +6,7 @@ Docs: https://dali-fastai.github.io/dali_fastai/distributed.html.md"""
 
 # %% auto #0
 __all__ = ['STATE_KEY', 'DaliShard', 'gather_batches', 'sync_bn_note', 'say_sync_bn', 'grad_nodes', 'DaliDistributed',
-           'DaliCheckpoint']
+           'BuffersAtValidation', 'DaliCheckpoint']
 
 # %% ../nbs/07a_distributed.ipynb #99b32dde
 import json, os, warnings
@@ -17,6 +17,7 @@ import torch.distributed as dist
 from fastai.callback.core import Callback, CancelEpochException
 from fastai.distributed import DistributedDL, DistributedTrainer
 from fastai.torch_core import num_distrib, rank_distrib, to_detach
+from torch.nn.parallel import DistributedDataParallel
 from .epoch import priority_stream
 from .loader import DaliDataLoader
 
@@ -125,6 +126,28 @@ class DaliDistributed(Callback):
         if self.training or not isinstance(self.dl, DaliShard) or self.dl.world_size == 1: return
         self.learn.pred = gather_batches(self.pred)
         self.learn.yb = tuple(gather_batches(y) for y in self.yb)
+
+# %% ../nbs/07a_distributed.ipynb #28d0d8ad
+class BuffersAtValidation:
+    "Under DDP: rank 0's buffers (BatchNorm's running statistics) sent to the other ranks before each validation and at the fit's end, instead of at every forward"
+    def __init__(self, model, # the model being fit: a `DistributedDataParallel` that broadcasts its buffers, or anything else (nothing done)
+                ):
+        ddp = model if isinstance(model, DistributedDataParallel) and model.broadcast_buffers else None
+        self.ddp = ddp if ddp is not None and any(True for _ in ddp.module.buffers()) else None
+        if self.ddp is not None: self.ddp.broadcast_buffers = False  # read at every forward (`will_sync_module_buffers`)
+
+    def send(self):
+        "Every rank's buffers become rank 0's (a collective: every rank calls it at the same point)"
+        if self.ddp is None: return
+        group = self.ddp.process_group
+        with torch.no_grad():
+            for b in self.ddp.module.buffers(): dist.broadcast(b, src=dist.get_global_rank(group, 0), group=group)
+
+    def restore(self):
+        "Send them once more and give DDP its own broadcast back (the fit is over)"
+        if self.ddp is None: return
+        self.send()
+        self.ddp.broadcast_buffers,self.ddp = True,None
 
 # %% ../nbs/07a_distributed.ipynb #83182b76
 STATE_KEY = 'dali_fastai.loaders'  # the model state_dict entry holding the loaders' state

@@ -25,8 +25,8 @@ from fastai.metrics import AccumMetric
 from fastai.optimizer import Optimizer
 from fastai.torch_core import TensorBase, find_bs, flatten_check, to_detach
 from .fastopt import FastOptimizer, torch_step
-from .distributed import say_sync_bn
-from .capture import GraphCapture, StepRace
+from .distributed import BuffersAtValidation, say_sync_bn
+from .capture import GraphCapture, StepRace, RACE_FROM
 
 # %% ../nbs/07e_faststep.ipynb #f87763a3
 def _on_device(x, learn=None):
@@ -150,13 +150,16 @@ class FastStep(Callback):
                  fused:bool=True,                   # replace fastai's optimizer with PyTorch's fused/foreach one where exact
                  device_metrics:bool=True,          # smooth the loss and accumulate metrics on the device
                  freeze_gc:bool=True,               # Python's collector passes over the fit's own objects only (`GCFreeze`)
+                 broadcast_buffers:bool=False,      # under DDP, rank 0's BatchNorm statistics sent at every forward (DDP's way); False: before each validation (`BuffersAtValidation`)
                 ):
         if graph not in (True, False, 'auto'):
             raise ValueError(f"FastStep(graph={graph!r}): graph is True (always capture), False (never) or 'auto' (the default: "
                              "capture when the captured step trains faster)")
-        store_attr('graph,channels_last,fused,device_metrics,freeze_gc')
+        store_attr('graph,channels_last,fused,device_metrics,freeze_gc,broadcast_buffers')
+        self._buffers = None # under DDP: `BuffersAtValidation` for the fit under way
         self._warned,self.capture,self._saved = set(),None,None # `validate` and `get_preds` may come before any fit
         self.verdicts = {} # `graph='auto'`: each race's winner, for the fits after it (`StepRace.recall`)
+        self.race_seconds = {} # and each race's timed stretches, {'eager': s, 'graph': s}, by the same key
         self._captured = 0. # the seconds of the fits' captures whose graphs are gone
 
     def _warn(self, msg):
@@ -201,7 +204,9 @@ class FastStep(Callback):
         "Seconds this callback's fits spent capturing CUDA graphs (`GraphCapture.capture_seconds`), the fit under way's included"
         return self._captured + (self.capture.capture_seconds if self.capture else 0.)
     def _let_capture_go(self):
-        "The fit's graphs let go, the seconds their capture took kept"
+        "The fit's graphs let go, the seconds their capture took and the race's times kept"
+        race = self.capture.race if self.capture else None
+        if race is not None and race.stage == 'done' and race.secs: self.race_seconds[race.key] = dict(race.secs)
         if self.capture: self.capture.release(); self._captured += self.capture.capture_seconds
         self.capture = None
 
@@ -212,7 +217,11 @@ class FastStep(Callback):
         self._memory_format()
         finding = any(isinstance(cb, LRFinder) for cb in self.learn.cbs)  # lr_find reads the loss every batch anyway
         if self.device_metrics and not finding and hasattr(self.learn, 'recorder'): self._device_metrics()
-        race = StepRace() if self.graph == 'auto' else None
+        # `lr_find` waits for every batch's loss, and a captured step, launched in microseconds, waits less: no race there,
+        # and no verdict for the fits after it (the race of a fit that reads no loss is its own). Nor in a short fit, where
+        # the race's own batches would cost more than it can win (`RACE_FROM`)
+        short = self.learn.n_epoch*len(self.learn.dls.train) < RACE_FROM
+        race = (StepRace.won_by('graph') if finding or short else StepRace()) if self.graph == 'auto' else None
         self.capture = GraphCapture(self.learn, self._warn, race) if self.graph else None
 
     def after_loss(self):
@@ -222,6 +231,7 @@ class FastStep(Callback):
 
     def before_train(self):
         say_sync_bn(self.learn) # once a process; fastai's DistributedTrainer has made its SyncBatchNorms by now
+        if self._buffers is None and not self.broadcast_buffers: self._buffers = BuffersAtValidation(self.learn.model) # DDP wraps the model by now
         if self.freeze_gc: GCFreeze.start() # training's, not `get_preds`' or `validate`'s (no `before_train`)
         if self.capture: self._restart_race(); self.capture.install()
     def _race_key(self)->tuple:
@@ -235,9 +245,11 @@ class FastStep(Callback):
         self.capture.before_batch()
     def before_validate(self):
         if self.capture: self._restart_race(); self.capture.remove()
+        if self._buffers: self._buffers.send()
     def _restart_race(self):
         if self.capture.race: self.capture.race.restart()
     def after_fit(self):
+        if self._buffers: self._buffers.restore(); self._buffers = None
         self._let_capture_go()
         self._host_metrics()
         GCFreeze.stop()

@@ -68,11 +68,14 @@ def spent_between(before:dict, after:dict)->dict:
     return {k: None if v is None else after[k] - v for k,v in before.items()}
 
 def race_verdicts(learn, # a fastai `Learner`
-                 )->dict|None: # {'<parameters> trained': 'graph' or 'eager'}; None without `FastStep(graph='auto')`
+                 )->dict|None: # {'<parameters> trained': 'graph' or 'eager', with the race's times}; None without `FastStep(graph='auto')`
     "Which step `FastStep()`'s races chose (`StepRace`), by the number of parameters trained (the frozen model's race is its own)"
     fast = next((cb for cb in learn.cbs if isinstance(cb, FastStep)), None)
     if fast is None or fast.graph != 'auto': return None
-    return {f"{n:,} trained": winner for (_,n),winner in fast.verdicts.items()}
+    def said(key, winner):
+        secs = fast.race_seconds.get(key)
+        return winner if not secs else f"{winner} (eager {secs['eager']:.3f} s, graph {secs['graph']:.3f} s)"
+    return {f"{key[1]:,} trained": said(key, winner) for key,winner in fast.verdicts.items()}
 
 # %% ../nbs/08f_sessionbench.ipynb #fc168535
 def _quiet(learn):

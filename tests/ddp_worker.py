@@ -9,7 +9,7 @@ faster, every rank alike): the same checks hold (the metrics gathered across ran
 trains uncaptured). Every rank
 writes the sum of its weights after the fit: equal on every rank only if DDP averaged every step's gradients.
 On GPUs with the graph:  torchrun --nproc_per_node 2 tests/ddp_worker.py OUT --device gpu --graph && python tests/ddp_worker.py --check OUT
-On 4 GPUs, batches enough for FastStep()'s race:  torchrun --nproc_per_node 4 tests/ddp_worker.py OUT --device gpu --fast-step
+On 4 GPUs, batches enough for FastStep()'s race:  torchrun --nproc_per_node 4 tests/ddp_worker.py OUT --device gpu --fast-step --race-from 0
 --n-train 231 --bs 2 && python tests/ddp_worker.py --check OUT 4 231 2   (the images are indexed 0..255: n-train + n-valid <= 256)"""
 import argparse, faulthandler, json, math, os, sys, time
 from pathlib import Path
@@ -27,19 +27,21 @@ from helpers import make_index_images, index_items, MAX_INDEX
 from dali_fastai.loader import DaliDataLoader
 from dali_fastai.data import DaliDataLoaders
 from dali_fastai.distributed import DaliDistributed
+import dali_fastai.faststep as faststep
 from dali_fastai.faststep import FastStep
 
 
 class Record(Callback):
     "The items of every batch, by phase and epoch"
     order = 100
-    def before_fit(self): self.seen,self.graphs = {'train': [], 'valid': []},None
+    def before_fit(self): self.seen,self.graphs,self.forward_sync = {'train': [], 'valid': []},None,[]
     def before_epoch(self): self.seen['train'].append([]); self.seen['valid'].append([])
     def after_batch(self): self.seen['train' if self.training else 'valid'][-1] += self.yb[0].tolist()
     def after_train(self):
         "What `FastStep(graph=True)` captured (read before its `after_fit` lets the graphs go)"
         cap = next((cb.capture for cb in self.learn.cbs if isinstance(cb, FastStep) and cb.capture), None)
         self.graphs = None if cap is None else dict(n=len(cap.graphs), failed=cap.failed, race=cap.race and cap.race.winner)
+        self.forward_sync.append(getattr(self.learn.model, 'broadcast_buffers', None))  # DDP's broadcast of the buffers at each forward
 
 
 def main():
@@ -50,8 +52,11 @@ def main():
                    "captured where the race finds it faster)")
     p.add_argument('--eager', action='store_true', help="train with FastStep(graph=False): never captured")
     p.add_argument('--graph', action='store_true', help="train with FastStep(graph=True): forward and backward as CUDA graphs")
+    p.add_argument('--race-from', type=int, default=None, help="FastStep(): race in fits of this many training batches or more (default: RACE_FROM)")
+    p.add_argument('--bn', action='store_true', help="a BatchNorm layer in the model (buffers that DDP keeps in step)")
     p.add_argument('--seed', type=int, default=None, help="the training loader's seed (default: rank 0 draws one)")
     a = p.parse_args()
+    if a.race_from is not None: faststep.RACE_FROM = a.race_from
     faulthandler.enable()  # a crash in C++ (gloo, DALI) prints every thread's Python stack to the test's stderr
     rank, world = int(os.environ['RANK']), int(os.environ['WORLD_SIZE'])
     out = Path(a.out)
@@ -64,14 +69,14 @@ def main():
     train_dl = DaliDataLoader(train, bs=a.bs, size=8, train=True, device=a.device, warp_mode=None, seed=a.seed)
     dls = DaliDataLoaders(train_dl, DaliDataLoader(valid, bs=a.bs, size=8, device=a.device), path=out, device=train_dl.device)
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Flatten(), nn.Linear(3*8*8, MAX_INDEX))
+    model = nn.Sequential(nn.Flatten(), *([nn.BatchNorm1d(3*8*8)] if a.bn else []), nn.Linear(3*8*8, MAX_INDEX))
     rec = Record()
     fast = [FastStep(graph=True if a.graph else False if a.eager else 'auto')] if a.fast_step or a.graph or a.eager else []
     learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), metrics=accuracy, cbs=[DaliDistributed(), rec, *fast])
     kw = dict(sync_bn=False, cpu=True) if a.device == 'cpu' else {}
     with learn.distrib_ctx(**kw):
         with learn.no_bar(): learn.fit(2, 1e-2)
-        graphs = rec.graphs
+        graphs,forward_sync = rec.graphs,rec.forward_sync  # `get_preds` starts the callbacks' `before_fit` again
         seen,ddp_valid = rec.seen,learn.recorder.values[-1][1:]
         lens = [len(learn.dls.train), len(learn.dls.valid)]
         with learn.no_bar(): preds,targs = learn.get_preds()
@@ -81,7 +86,8 @@ def main():
     after_unshard = sum(len(y) for _,y in learn.dls.valid)
     whole = learn.validate()  # outside the context: one process, the whole validation set
     weights = sum(p.detach().double().sum().item() for p in learn.model.parameters())
-    res = dict(rank=rank, world=world, graphs=graphs, weights=weights, lens=lens, opt=type(learn.opt).__name__, seen=seen, targs=targs.tolist(), n_preds=len(preds),
+    buffers = sum(b.detach().double().sum().item() for b in learn.model.buffers())
+    res = dict(rank=rank, world=world, graphs=graphs, weights=weights, buffers=buffers, forward_sync=forward_sync, lens=lens, opt=type(learn.opt).__name__, seen=seen, targs=targs.tolist(), n_preds=len(preds),
                ddp_valid=[float(v) for v in ddp_valid], whole_valid=[float(v) for v in whole],
                restored=restored, seed=dls.train.seed, device=str(dls.train.device), after_ctx=after_ctx, after_unshard=after_unshard)
     (out/f'rank{rank}.json').write_text(json.dumps(res))

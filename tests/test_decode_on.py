@@ -72,7 +72,60 @@ def test_auto_moves_to_the_gpu_once_the_waits_have_paid_its_start(files, monkeyp
     _switch_costs(monkeypatch, 1e-9)  # the waits have paid for the start
     _every_item_once(dl, 12, 2)
     assert (told, dl.decoding, dl._source.builds) == (['cpu', 'gpu'], 'gpu', 2), "rebuilt once, at an epoch's start"
-    assert not dl._source.time_waits, "no clock read once on the GPU"
+    assert dl._source.settled and not dl._source.time_waits, "its first epoch there tried (too short to time: it stays), then no clock read"
+
+
+def _paced(monkeypatch, batches:int=1):
+    "Passes of `batches` timed batches or more give their loader's pace (the real threshold is for epochs of many batches)"
+    import dali_fastai.epoch as epoch
+    monkeypatch.setattr(epoch, 'PACE_BATCHES', batches)
+
+
+def test_an_epoch_on_the_gpus_decoders_slower_than_on_the_cpus_goes_back_for_good(files, monkeypatch):
+    "A step that keeps the GPU busy makes the host wait too: the move is tried for one epoch, and undone when that epoch went slower"
+    _paced(monkeypatch)
+    dl = index_loader(files[:12], 3, train=True, seed=0)
+    told = _told(dl, monkeypatch)
+    _switch_costs(monkeypatch, 1e9)
+    _every_item_once(dl, 12, 1)
+    cpu = dl._source.pace
+    assert cpu is not None and cpu > 0, "a pass gives its pace"
+    _switch_costs(monkeypatch, 1e-9)
+    _every_item_once(dl, 12, 1)  # moved at its start
+    assert (dl.decoding, dl._source.cpu_pace, dl._source.settled) == ('gpu', cpu, False), "on trial, the CPU's pace kept"
+    dl._source.pace = cpu * 1.5  # as if the GPU's decoders had slowed the step
+    _every_item_once(dl, 12, 3)
+    assert (told, dl.decoding, dl._source.settled) == (['cpu', 'gpu', 'cpu'], 'cpu', True), "back on the CPU's threads, and there for good"
+    assert not dl._source.time_waits, "no clock read once settled"
+
+
+def test_an_epoch_on_the_gpus_decoders_as_fast_or_faster_stays_there(files, monkeypatch):
+    _paced(monkeypatch)
+    _switch_costs(monkeypatch, 1e-9)
+    for gpu_pace in (0.5, 1.04):  # faster, or slower within the margin (`TRIAL_MARGIN`)
+        dl = index_loader(files[:12], 3, train=True, seed=0)
+        _every_item_once(dl, 12, 2)
+        dl._source.pace = dl._source.cpu_pace * gpu_pace
+        _every_item_once(dl, 12, 2)
+        assert (dl.decoding, dl._source.settled, dl._source.builds) == ('gpu', True, 2)
+
+
+def test_the_trial_is_saved_with_the_loader(files, monkeypatch):
+    "A loader resumed between the move and the trial's verdict still tries, with the saved pace"
+    _paced(monkeypatch)
+    _switch_costs(monkeypatch, 1e-9)
+    dl = index_loader(files[:12], 3, train=True, seed=0)
+    _every_item_once(dl, 12, 2)
+    dl._source.pace = dl._source.cpu_pace * 2
+    state = dl.state_dict()
+    assert (state['decoding'], state['settled'], state['cpu_pace']) == ('gpu', False, dl._source.cpu_pace)
+    fresh = index_loader(files[:12], 3, train=True, seed=0)
+    fresh.load_state_dict(state)
+    assert (fresh.decoding, fresh._source.cpu_pace, fresh._source.pace) == ('gpu', state['cpu_pace'], state['pace'])
+    _every_item_once(fresh, 12, 1)  # the saved DALI epoch, resumed on the graph it came from: no choice made
+    fresh._source.pace = fresh._source.cpu_pace * 2
+    _every_item_once(fresh, 12, 1)
+    assert (fresh.decoding, fresh._source.settled) == ('cpu', True), "the trial ended as the saved loader's would have"
 
 
 def test_a_loader_that_decodes_where_it_is_told_never_moves(files, monkeypatch):
@@ -138,7 +191,7 @@ def test_a_ranks_training_loader_moves_when_any_rank_would(files, monkeypatch):
     _switch_costs(monkeypatch, 5.)
     train = index_loader(files[:8], 2, train=True, seed=0).shard(0, 2)
     for _ in range(3): epoch_items(train)
-    assert asked == [0., 0.] and train.decoding == 'gpu', "asked at each start until it moved, with its own verdict: no"
+    assert asked == [0., 0., 0.] and train.decoding == 'gpu', "asked at each start until it moved, with its own verdict: no; then whether its trial was slower"
 
 
 _MOVE_TOGETHER = """
@@ -221,3 +274,20 @@ def test_an_abandoned_epoch_on_the_cpus_decoders_is_built_anew_past_a_few_batche
     monkeypatch.setattr(loader, 'default_drain_limit', lambda device, decoding: asked.append(decoding) or 4)
     for where in ('auto', 'gpu'): index_loader(files[:8], 2, seed=0, decode_on=where).reset()
     assert asked == ['cpu', 'gpu'], "the loader says where it decodes now"
+
+
+def test_only_a_whole_pass_gives_the_pace(files, monkeypatch):
+    "An abandoned pass (`lr_find`'s, which reads every loss) says nothing of a fit's pace; a whole one does, from its second half"
+    _paced(monkeypatch, 2)
+    _switch_costs(monkeypatch, 1e9)
+    dl = index_loader(files[:24], 2, train=True, seed=0)  # 12 batches: 11 gaps, 6 in the second half
+    batches = iter(dl)
+    for _ in range(10): next(batches)
+    del batches
+    assert dl._source.pace is None and dl._source.waited > 0, "its waits count, its pace does not"
+    epoch_items(dl)
+    assert dl._source.pace is not None
+    _paced(monkeypatch, 7)
+    dl._source.pace = None
+    epoch_items(dl)
+    assert dl._source.pace is None, "a second half shorter than PACE_BATCHES gives none"

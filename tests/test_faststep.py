@@ -3,11 +3,12 @@
 Each test asserts what would break if `FastStep` got in the way: the API runs, and its result is what fastai's gives."""
 import warnings
 from functools import partial
+from types import SimpleNamespace
 
 import pytest
 import torch
 from torch import nn
-from fastai.callback.core import CancelFitException
+from fastai.callback.core import Callback, CancelFitException
 from fastai.callback.schedule import fit_one_cycle, fit_flat_cos, lr_find, fine_tune  # noqa: F401 (add them to Learner)
 from fastai.callback.fp16 import to_bf16, to_fp16  # noqa: F401 (add them to Learner)
 from fastai.callback.training import GradientAccumulation
@@ -426,6 +427,7 @@ def test_auto_trains_on_with_the_faster_step(tmp_path, monkeypatch, faster):
     from fastai.data.core import DataLoaders
     from fastai.data.load import DataLoader
     monkeypatch.setattr(faststep, 'StepRace', lambda: _Rigged(*((2, 1) if faster == 'graph' else (1, 2))))
+    monkeypatch.setattr(faststep, 'RACE_FROM', 0)  # a fit of 10 batches races
     kept = {}
     class AtTheEnd(Callback):
         order = FastStep.order + 1
@@ -468,3 +470,38 @@ def test_a_fit_takes_the_winner_of_an_earlier_race_for_the_same_batches_and_para
     again = _race([], verdicts)  # an empty clock: reading it would fail
     assert (again.stage, again.winner, again.wants_graph()) == ('done', 'graph', True)
     assert _race([0, 2, 2, 5], verdicts, key='unfrozen').winner == 'eager' and verdicts == {'k': 'graph', 'unfrozen': 'eager'}
+
+
+def test_faststep_keeps_each_finished_races_times_by_its_key():
+    fast = FastStep()
+    race = _race([0, 2, 2, 3], fast.verdicts)
+    fast.capture = SimpleNamespace(race=race, release=lambda: None, capture_seconds=0.)
+    fast._let_capture_go()
+    assert fast.race_seconds == {'k': {'eager': 2, 'graph': 1}} and fast.verdicts == {'k': 'graph'}
+    unfinished = StepRace(); unfinished.recall(fast.verdicts, 'other')
+    fast.capture = SimpleNamespace(race=unfinished, release=lambda: None, capture_seconds=0.)
+    fast._let_capture_go()
+    assert 'other' not in fast.race_seconds, "a race the fit did not finish has no times"
+
+
+def test_lr_find_and_short_fits_capture_without_a_race(dls, tmp_path, monkeypatch):
+    "`lr_find` reads every batch's loss, where the captured step always waits less, and a short fit cannot win back a race's cost: FastStep() captures there from the first batch, and leaves no verdict"
+    import dali_fastai.faststep as faststep
+    learn = learner(dls, tmp_path)
+    fast = next(cb for cb in learn.cbs if isinstance(cb, FastStep))
+    seen = []
+    class Spy(Callback):
+        order = FastStep.order + 1
+        def before_batch(self):
+            if self.training: seen.append((fast.capture.race.stage, fast.capture.race.winner, fast.capture.race.verdicts is fast.verdicts))
+    learn.add_cb(Spy())
+    with quiet(learn): learn.lr_find(num_it=6, show_plot=False)
+    assert seen and set(seen) == {('done', 'graph', False)}, seen
+    assert fast.verdicts == {} and fast.race_seconds == {}
+    seen.clear()
+    with quiet(learn): learn.fit(1, 1e-2)
+    assert len(seen) < faststep.RACE_FROM and set(seen) == {('done', 'graph', False)}, "a short fit does not race"
+    seen.clear()
+    monkeypatch.setattr(faststep, 'RACE_FROM', len(seen) + 2*len(learn.dls.train))
+    with quiet(learn): learn.fit(2, 1e-2)
+    assert seen[0][:2] == ('warmup', None) and seen[0][2], "a fit of RACE_FROM batches races, for the fits after it"

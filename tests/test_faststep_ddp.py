@@ -77,7 +77,7 @@ def test_fast_step_races_alike_on_every_rank(tmp_path, world):
     "`FastStep()` under DDP on 2 and 4 GPUs: every rank's race chooses alike (the slowest rank's times), and training stays exactly-once with whole-set metrics"
     if torch.cuda.device_count() < world: pytest.skip(f"FastStep()'s race under DDP on {world} GPUs: this machine has {torch.cuda.device_count()}")
     # 231 items at bs 2: 28 or more batches a rank an epoch, enough for the race (3 untimed, 8 each way, the capture between)
-    r = _torchrun(tmp_path, '--fast-step', '--n-train', '231', '--bs', '2', device='gpu', nproc=world)
+    r = _torchrun(tmp_path, '--fast-step', '--n-train', '231', '--bs', '2', '--race-from', '0', device='gpu', nproc=world)
     print(ddp_worker.check(tmp_path, world=world, n_train=231, bs=2))
     graphs = _ranks(tmp_path, 'graphs', world)
     assert len({g['race'] for g in graphs}) == 1 and graphs[0]['race'] in ('graph', 'eager'), graphs
@@ -268,3 +268,27 @@ def test_ddp_bench_passes_the_loader_levers_to_every_case(tmp_path, monkeypatch)
                                       '--no-priority-stream'])
     with pytest.raises(SystemExit): ddp.main()
     assert seen['num_threads'] == 3 and seen['priority_stream'] is False and seen['hw_decoder_load'] == 1.0
+
+
+# ---------------------------------------------------------------- BatchNorm's statistics: sent before validation, not each forward
+
+def test_buffers_go_to_the_ranks_before_validation_not_at_every_forward(group):
+    "`BuffersAtValidation` turns DDP's broadcast at every forward off, sends the buffers when asked, and gives DDP its own back at the fit's end"
+    ddp = DistributedDataParallel(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)))
+    b = distributed.BuffersAtValidation(ddp)
+    assert b.ddp is ddp and not ddp.broadcast_buffers
+    ddp(torch.randn(8, 4))  # the forward no longer sends them
+    b.send()
+    b.restore()
+    assert ddp.broadcast_buffers and b.ddp is None
+    assert distributed.BuffersAtValidation(DistributedDataParallel(nn.Linear(4, 2))).ddp is None, "no buffers: nothing to send"
+    assert distributed.BuffersAtValidation(nn.BatchNorm1d(4)).ddp is None, "not under DDP: nothing to do"
+
+
+def test_two_processes_hold_rank_0s_batchnorm_statistics_after_the_fit(tmp_path):
+    "`FastStep()` under DDP (gloo) with a BatchNorm layer: DDP broadcast nothing at the forwards, and every rank ends with rank 0's statistics; exactly-once and whole-set metrics hold"
+    _torchrun(tmp_path, '--fast-step', '--bn')
+    ddp_worker.check(tmp_path)
+    assert _ranks(tmp_path, 'forward_sync') == [[False, False]]*2, "DDP's broadcast off in both epochs, on both ranks"
+    stats = _ranks(tmp_path, 'buffers')
+    assert stats[0] == stats[1] and stats[0] != 0, stats

@@ -57,9 +57,11 @@ from dali_fastai.sessionbench import build_seconds, start_costs
 
 class EpochTimer(Callback):
     "Wall time of every training phase, synchronised with the GPU"
-    def before_fit(self): self.times = []
+    def before_fit(self): self.times,self.decoded = [],[]
     def before_train(self): torch.cuda.synchronize(); self.start = time.perf_counter()
-    def after_train(self): torch.cuda.synchronize(); self.times.append(time.perf_counter() - self.start)
+    def after_train(self):
+        torch.cuda.synchronize(); self.times.append(time.perf_counter() - self.start)
+        self.decoded.append(getattr(self.dls.train, 'decoding', '?'))  # where this epoch's JPEGs were decoded
 
 
 class LoaderWait(Callback):
@@ -86,18 +88,19 @@ def loader_epochs(dl, epochs:int)->list:
 def fit_epochs(dls, epochs:int, world:int, sync_bn:bool, bar:bool=True, fused:bool=False, fast_step:bool=False,
                graph:bool|str=False, # `FastStep(graph=...)`: True, False, or 'auto' (its default: captured where faster)
                arch:str='resnet50', # the model, one of `ARCHS`
+               broadcast_buffers:bool=False, # `FastStep(broadcast_buffers=...)`: DDP's broadcast of BatchNorm's statistics at every forward
               )->list:
     "Wall time of the training phase of each of `epochs` epochs of an `arch` (bf16, channels_last) fit, and `start_costs` after it"
     timer,wait = EpochTimer(),LoaderWait()
     kw = dict(opt_func=partial(OptimWrapper, opt=torch.optim.AdamW, fused=True)) if fused else {}
-    cbs = [DaliDistributed(), timer, wait, *([FastStep(graph=graph)] if fast_step or graph else [])]
+    cbs = [DaliDistributed(), timer, wait, *([FastStep(graph=graph, broadcast_buffers=broadcast_buffers)] if fast_step or graph else [])]
     learn = vision_learner(dls, ARCHS[arch], metrics=accuracy, pretrained=False, cbs=cbs, **kw).to_bf16()
     learn.model = learn.model.to(memory_format=torch.channels_last)
     # one GPU: a plain fit (fastai's DistributedTrainer assumes a DDP-wrapped model, which one process does not get)
     with learn.distrib_ctx(sync_bn=sync_bn) if world > 1 else contextlib.nullcontext(), \
          contextlib.nullcontext() if bar else learn.no_bar():
         learn.fit_one_cycle(epochs, 1e-3)
-    return timer.times,{**start_costs(learn), 'host waits for batches': wait.waits}
+    return timer.times,{**start_costs(learn), 'host waits for batches': wait.waits},timer.decoded
 
 
 def plain_model(fastai_model:bool, c:int=10, arch:str='resnet50'):
@@ -220,9 +223,12 @@ def loader_builds(dls)->dict:
     return {name: (dl._source.builds, dl._source.build_seconds) for name,dl in (('training', dls.train), ('validation', dls.valid))}
 
 
-def decoding(dl)->str:
-    "Where the training loader decoded at the end, and the host's waits for DALI's CPU threads it weighed (`decode_on='auto'`)"
-    return f"; training decoded on the {dl.decoding} (host waited {dl._source.waited:.2f} s for the CPU's)"
+def decoding(dl, each:list|None=None)->str:
+    "Where the training loader decoded (each epoch's where known, else at the end), and the host's waits for DALI's CPU threads it weighed (`decode_on='auto'`)"
+    where = ', '.join(each) if each and len(set(each)) > 1 else dl.decoding
+    s = dl._source
+    paces = '' if s.cpu_pace is None else f"; a batch's seconds (a whole pass's second half) on the CPU's decoders {s.cpu_pace:.4f}, then the GPU's {s.pace or 0:.4f}"
+    return f"; training decoded on the {where} (host waited {s.waited:.2f} s for the CPU's{paces})"
 
 
 def paid(costs:dict, builds:dict)->str:
@@ -270,18 +276,23 @@ def main():
                    "on one GPU too: under DDP the loaders keep none since 2026-11-27, so this changes only the 1-GPU case")
     p.add_argument('--no-priority-stream', action='store_true', help="the loaders leave PyTorch's work on the caller's "
                    "stream (priority_stream=False): what their high-priority stream is worth")
+    p.add_argument('--broadcast-buffers', action='store_true', help="FastStep cases: DDP sends rank 0's BatchNorm statistics "
+                   "at every forward (its default), not only before validation (FastStep's)")
+    p.add_argument('--decoder-cost', type=float, default=None, help="decode_on='auto': price the GPU decoder's start at this "
+                   "many seconds of the host's waits (default: gpu_decoder_cost's), to see the move and its one-epoch trial in a short run")
     p.add_argument('--result', default=None, help='rank 0 writes {"img_s": ...} here')
     a = p.parse_args()
     if a.compare:
         most = torch.cuda.device_count() if a.compare == 'max' else int(a.compare)
         if a.n_per_class is None and a.path is None: a.n_per_class = n_per_class_for(a.images_per_rank, most)
-        keep = [x for k in ('arch', 'path', 'bs', 'size', 'n_per_class', 'epochs', 'num_threads', 'hw_decoder_load', 'decode_on') if getattr(a, k) is not None
-                for x in (f"--{k.replace('_', '-')}", str(getattr(a, k)))] + ['--no-priority-stream']*a.no_priority_stream + ['--no-kept-decoder']*a.no_kept_decoder
+        keep = [x for k in ('arch', 'path', 'bs', 'size', 'n_per_class', 'epochs', 'num_threads', 'hw_decoder_load', 'decode_on', 'decoder_cost') if getattr(a, k) is not None
+                for x in (f"--{k.replace('_', '-')}", str(getattr(a, k)))] + ['--no-priority-stream']*a.no_priority_stream + ['--broadcast-buffers']*a.broadcast_buffers + ['--no-kept-decoder']*a.no_kept_decoder
         cases = [int(c) for c in a.cases.split(',')] if a.cases else None
         if cases and not all(1 <= c <= len(CASES) for c in cases):
             raise SystemExit(f"--cases {a.cases}: each must be a row of the table, 1 to {len(CASES)}")
         return compare(gpu_counts(most), keep, a.bs, Path(a.out), a.fresh, cases, a.arch)
     if a.no_kept_decoder: dali_fastai.loader.keep_decoder = lambda *args: None  # a probe's switch, as tools/session_starts.py's
+    if a.decoder_cost is not None: dali_fastai.loader.gpu_decoder_cost = lambda *args: a.decoder_cost  # the move, and its trial, early
     rank, world = int(os.environ.get('RANK', 0)), int(os.environ.get('WORLD_SIZE', 1))
     torch.cuda.set_device(int(os.environ.get('LOCAL_RANK', 0)))
     path = a.path or bench_images(n_per_class=a.n_per_class or 2000)  # the same folder on every rank (written once, atomically)
@@ -291,7 +302,7 @@ def main():
                                       **({} if a.decode_on is None else {'decode_on': a.decode_on}))
     n_imgs = len(dls.train.shard(rank, world, seed=0))*a.bs  # a rank's training images an epoch, as the fit shards them
     model = f"fastai's {a.arch}" if a.fastai_model else a.arch
-    costs = {}  # what the first epoch paid for: seconds of pipeline builds and graph capture, where the case has them
+    costs,each = {},None  # what the first epoch paid for: seconds of pipeline builds and graph capture, where the case has them
     if a.synthetic:
         times = plain_epochs(a.epochs, synthetic_batches(n_imgs//a.bs, a.bs, a.size), world, a.fastai_model, graph=a.graph, spent=costs, arch=a.arch)
         what = f"{model} bf16, synthetic data, plain DDP{', captured' if a.graph else ''}"
@@ -302,16 +313,17 @@ def main():
     elif a.loader_only: times,what,costs = loader_epochs(dls.train, a.epochs),'loader only',{'pipeline builds': build_seconds(dls)}
     else:
         graph = 'auto' if a.auto else a.graph
-        times,costs = fit_epochs(dls, a.epochs, world, a.sync_bn, bar=not a.no_bar, fused=a.fused_adamw, fast_step=a.fast_step or a.auto,
-                           graph=graph, arch=a.arch)
+        times,costs,each = fit_epochs(dls, a.epochs, world, a.sync_bn, bar=not a.no_bar, fused=a.fused_adamw, fast_step=a.fast_step or a.auto,
+                           graph=graph, arch=a.arch, broadcast_buffers=a.broadcast_buffers)
         what = (f"{a.arch} bf16, fastai + dali_fastai, sync_bn={a.sync_bn}{', no progress bar' if a.no_bar else ''}"
-                f"{', fused AdamW' if a.fused_adamw else ''}{f', FastStep(graph={graph!r})' if a.fast_step or a.graph or a.auto else ''}")
+                f"{', fused AdamW' if a.fused_adamw else ''}{f', FastStep(graph={graph!r})' if a.fast_step or a.graph or a.auto else ''}"
+                f"{', buffers broadcast each forward' if a.broadcast_buffers else ''}")
     img_s = n_imgs*world*(len(times)-1)/sum(times[1:])
     whole = n_imgs*world*len(times)/sum(times)  # what the user waits for: the first epoch (builds, capture, cuDNN) included
     if a.result and rank == 0: Path(a.result).write_text(json.dumps({'img_s': img_s, 'whole_img_s': whole}))
     print(f"ddp_bench rank {rank}: {world} GPU(s), {what}, bs {a.bs}/GPU, {n_imgs} images/rank/epoch, epochs 2..{a.epochs}: "
           f"{img_s:,.0f} img/s all ranks; all {len(times)} epochs: {whole:,.0f} img/s (epoch times "
-          f"{', '.join(f'{t:.2f}' for t in times)} s){paid(costs, loader_builds(dls))}{decoding(dls.train)}", flush=True)
+          f"{', '.join(f'{t:.2f}' for t in times)} s){paid(costs, loader_builds(dls))}{decoding(dls.train, each)}", flush=True)
 
 
 if __name__ == '__main__': main()
