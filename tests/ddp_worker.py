@@ -34,7 +34,9 @@ from dali_fastai.faststep import FastStep
 class Record(Callback):
     "The items of every batch, by phase and epoch"
     order = 100
-    def before_fit(self): self.seen,self.graphs,self.forward_sync = {'train': [], 'valid': []},None,[]
+    def before_fit(self): self.seen,self.graphs,self.forward_sync,self.valid_buffers = {'train': [], 'valid': []},None,[],[]
+    def before_validate(self):  # the buffers (BatchNorm's statistics) each rank validates with
+        self.valid_buffers.append(sum(b.detach().double().sum().item() for b in self.learn.model.buffers()))
     def before_epoch(self): self.seen['train'].append([]); self.seen['valid'].append([])
     def after_batch(self): self.seen['train' if self.training else 'valid'][-1] += self.yb[0].tolist()
     def after_train(self):
@@ -76,7 +78,7 @@ def main():
     kw = dict(sync_bn=False, cpu=True) if a.device == 'cpu' else {}
     with learn.distrib_ctx(**kw):
         with learn.no_bar(): learn.fit(2, 1e-2)
-        graphs,forward_sync = rec.graphs,rec.forward_sync  # `get_preds` starts the callbacks' `before_fit` again
+        graphs,forward_sync,valid_buffers = rec.graphs,rec.forward_sync,rec.valid_buffers  # `get_preds` starts the callbacks' `before_fit` again
         seen,ddp_valid = rec.seen,learn.recorder.values[-1][1:]
         lens = [len(learn.dls.train), len(learn.dls.valid)]
         with learn.no_bar(): preds,targs = learn.get_preds()
@@ -87,7 +89,7 @@ def main():
     whole = learn.validate()  # outside the context: one process, the whole validation set
     weights = sum(p.detach().double().sum().item() for p in learn.model.parameters())
     buffers = sum(b.detach().double().sum().item() for b in learn.model.buffers())
-    res = dict(rank=rank, world=world, graphs=graphs, weights=weights, buffers=buffers, forward_sync=forward_sync, lens=lens, opt=type(learn.opt).__name__, seen=seen, targs=targs.tolist(), n_preds=len(preds),
+    res = dict(rank=rank, world=world, graphs=graphs, weights=weights, buffers=buffers, forward_sync=forward_sync, valid_buffers=valid_buffers, lens=lens, opt=type(learn.opt).__name__, seen=seen, targs=targs.tolist(), n_preds=len(preds),
                ddp_valid=[float(v) for v in ddp_valid], whole_valid=[float(v) for v in whole],
                restored=restored, seed=dls.train.seed, device=str(dls.train.device), after_ctx=after_ctx, after_unshard=after_unshard)
     (out/f'rank{rank}.json').write_text(json.dumps(res))

@@ -197,7 +197,9 @@ def test_docs_train_script(tmp_path):
             for i in range(n): Image.fromarray(np.full((12, 12, 3), colour + i, np.uint8)).save(tmp_path/'data'/split/c/f'{i}.png')
     (tmp_path/'train.py').write_text(docs_train_script(tmp_path/'data'))
     with socket.socket() as s: s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]
-    path = os.pathsep.join([str(HERE.parent), *filter(None, [os.environ.get('PYTHONPATH')])])  # this checkout's package first
+    # the package these tests import first (this checkout's, or the copy `tools/mutants.py` plants a bug in)
+    path = os.pathsep.join([str(Path(sys.modules['dali_fastai'].__file__).parents[1]),
+                            *filter(None, [os.environ.get('PYTHONPATH')])])
     env = {**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONPATH': path, 'TORCH_HOME': str(tmp_path/'torch')}
     r = subprocess.run([sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', '2', '--master_port', str(port),
                         str(tmp_path/'train.py')], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)

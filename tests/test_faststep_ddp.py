@@ -34,7 +34,8 @@ def _torchrun(tmp_path, *args, device='cpu', nproc:int=2)->subprocess.CompletedP
     with socket.socket() as s: s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]
     cmd = [sys.executable, '-m', 'torch.distributed.run', '--nproc_per_node', str(nproc), '--master_port', str(port),
            str(HERE/'ddp_worker.py'), str(tmp_path), '--device', device, *args]
-    path = os.pathsep.join([str(HERE.parent), *filter(None, [os.environ.get('PYTHONPATH')])])  # this checkout's package first
+    # the package these tests import first (this checkout's, or the copy `tools/mutants.py` plants a bug in)
+    path = os.pathsep.join([str(Path(distributed.__file__).parents[1]), *filter(None, [os.environ.get('PYTHONPATH')])])
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, 'OMP_NUM_THREADS': '1', 'PYTHONPATH': path})
     assert r.returncode == 0, r.stderr[-3000:]
     return r
@@ -292,3 +293,5 @@ def test_two_processes_hold_rank_0s_batchnorm_statistics_after_the_fit(tmp_path)
     assert _ranks(tmp_path, 'forward_sync') == [[False, False]]*2, "DDP's broadcast off in both epochs, on both ranks"
     stats = _ranks(tmp_path, 'buffers')
     assert stats[0] == stats[1] and stats[0] != 0, stats
+    at_validation = _ranks(tmp_path, 'valid_buffers')
+    assert at_validation[0] == at_validation[1] and len(at_validation[0]) == 2, "each validation on every rank with rank 0's statistics"

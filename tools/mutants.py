@@ -213,14 +213,24 @@ MUTANTS = [
     ('loader', "        self._choose_decoder()  # before", "        pass  # before", "decode_on='auto' never moves to the GPU's decoders"),
     ('loader', "        if self.world_size > 1: move = ranks_max(float(move), self.device) > 0", "        pass",
                "each DDP rank decides alone: the ranks may rebuild at other epochs and read other orders"),
-    ('loader', "        if self.decode_on != 'auto' or s.gpu_decode or self._fed or s.resume is not None or",
-               "        if self.decode_on != 'auto' or s.gpu_decode or self._fed or",
+    ('loader', "        if self.decode_on != 'auto' or s.settled or self._fed or s.resume is not None or",
+               "        if self.decode_on != 'auto' or s.settled or self._fed or",
                "a resumed epoch may move to the GPU's decoders, restoring its checkpoint into another graph"),
-    ('epoch', "                elif waits: waited += time.perf_counter() - start", "                pass",
+    ('epoch', "                elif waits: waited += now - start", "                pass",
               "the host's waits for the CPU's decoders are never counted"),
     ('loader', "        self._source.abandon(default_drain_limit(self.device, self.decoding) if",
                "        self._source.abandon(default_drain_limit(self.device) if",
                "a loader on DALI's CPU threads drains 100 batches of an abandoned epoch rather than build anew"),
+    ('loader', "        if s.gpu_decode: return self._end_trial()", "        if s.gpu_decode: return",
+               "a move to the GPU's decoders is never tried: a step the GPU bounds stays on the slower decoders"),
+    ('loader', "s.pace > s.cpu_pace * (1 + TRIAL_MARGIN)", "s.pace > s.cpu_pace * (1 - TRIAL_MARGIN)",
+               "a trial epoch on the GPU's decoders as fast as the CPU's, or within the margin, goes back"),
+    ('epoch', "    if whole and len(half) >= PACE_BATCHES:", "    if len(half) >= PACE_BATCHES:",
+              "an abandoned pass (lr_find's, which reads every loss) sets the pace a trial compares"),
+    ('faststep', "StepRace.won_by('graph') if finding or short else StepRace()", "StepRace.won_by('graph') if finding else StepRace()",
+                 "a short fit races, paying more than the race can win"),
+    ('faststep', "        if self._buffers: self._buffers.send()", "        pass",
+                 "under DDP the ranks validate with their own BatchNorm statistics once DDP no longer sends rank 0's at each forward"),
 ]
 
 FAST = ['tests/test_defaults.py', 'tests/test_augment_stats.py']
@@ -242,7 +252,7 @@ SELECTIONS = {  # per module: pytest arguments, relative to the repository root
     'steps': ['tests/test_mask_sampling.py'],
     'capture': ['tests/test_faststep.py', 'tests/test_faststep_ddp.py'],
     'items': ['tests/test_coco_voc_loaders.py'],
-    'faststep': ['tests/test_faststep.py'],
+    'faststep': ['tests/test_faststep.py', 'tests/test_faststep_ddp.py'],
     'fastopt': ['tests/test_faststep.py'],
 }
 SELECTIONS['epoch'] = SELECTIONS['loader'] + ['tests/test_shards.py']  # the batch arithmetic and `DaliEpoch` keep the loader's promises
