@@ -76,6 +76,7 @@ class StepRace:
             t = torch.tensor(secs, device=torch.device('cuda', torch.cuda.current_device()))
             dist.all_reduce(t, op=dist.ReduceOp.MAX) # the slowest rank's times: every rank chooses alike
             secs = t.tolist()
+            self.secs = dict(eager=secs[0], graph=secs[1])  # what was chosen from, as `race_verdicts` says
         return 'graph' if secs[1] < secs[0] else 'eager'
 
 # %% ../nbs/07e0_capture.ipynb #135250b6

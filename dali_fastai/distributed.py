@@ -133,20 +133,26 @@ class BuffersAtValidation:
     def __init__(self, model, # the model being fit: a `DistributedDataParallel` that broadcasts its buffers, or anything else (nothing done)
                 ):
         ddp = model if isinstance(model, DistributedDataParallel) and model.broadcast_buffers else None
-        self.ddp = ddp if ddp is not None and any(True for _ in ddp.module.buffers()) else None
+        self.ddp = ddp if ddp is not None and self._buffers(ddp) else None
         if self.ddp is not None: self.ddp.broadcast_buffers = False  # read at every forward (`will_sync_module_buffers`)
+
+    @staticmethod
+    def _buffers(ddp)->list:
+        "The buffers DDP keeps in step: `modules_buffers`, which leaves out those it was told to ignore"
+        return list(getattr(ddp, 'modules_buffers', None) or ddp.module.buffers())
 
     def send(self):
         "Every rank's buffers become rank 0's (a collective: every rank calls it at the same point)"
         if self.ddp is None: return
         group = self.ddp.process_group
         with torch.no_grad():
-            for b in self.ddp.module.buffers(): dist.broadcast(b, src=dist.get_global_rank(group, 0), group=group)
+            for b in self._buffers(self.ddp): dist.broadcast(b, src=dist.get_global_rank(group, 0), group=group)
 
-    def restore(self):
-        "Send them once more and give DDP its own broadcast back (the fit is over)"
+    def restore(self, send:bool=True, # send them once more (the fit is over); False after a fit that failed, where the other ranks may not come
+               ):
+        "Give DDP its own broadcast back"
         if self.ddp is None: return
-        self.send()
+        if send: self.send()
         self.ddp.broadcast_buffers,self.ddp = True,None
 
 # %% ../nbs/07a_distributed.ipynb #83182b76

@@ -6,11 +6,12 @@ Docs: https://dali-fastai.github.io/dali_fastai/epoch.html.md"""
 
 # %% auto #0
 __all__ = ['PACE_BATCHES', 'n_batches', 'shard_sizes', 'batches_per_rank', 'interleaved_order', 'as_device', 'dali_device_id',
-           'priority_stream', 'DaliEpoch', 'default_drain_limit', 'ranks_max', 'derived_seed', 'PipelineSource',
-           'FileFeed', 'FedSource', 'to_device_async']
+           'priority_stream', 'paced', 'DaliEpoch', 'default_drain_limit', 'ranks_max', 'derived_seed',
+           'PipelineSource', 'FileFeed', 'FedSource', 'to_device_async']
 
 # %% ../nbs/04_epoch.ipynb #42a6f309
-import base64, functools, os, statistics, time, weakref
+import base64, functools, os, time, weakref
+from collections.abc import Callable
 from collections import deque
 from contextlib import contextmanager
 import numpy as np
@@ -113,17 +114,18 @@ def _first_read(source, # the `PipelineSource` of a build whose first batch was 
 
 PACE_BATCHES = 8  # a whole pass gives its loader's pace (`PipelineSource.pace`) from its second half, of this many batches or more
 
+def paced(n:int, # batches a pass yields
+         )->bool:
+    "Whether a whole pass of `n` batches gives its loader's pace: its second half holds `PACE_BATCHES` or more"
+    return n - n//2 >= PACE_BATCHES
+
 def _counted(source, # the `PipelineSource` whose batches were timed (None: freed meanwhile)
              waited:float, # how long the host was blocked in DALI's `next()` in one pass, a build's first batch left out
-             gaps:list, # seconds from each batch in hand to the next: the loader's and the step's pace together
-             whole:bool): # the pass read its epoch to the end (not abandoned, as `lr_find`'s is)
-    "Count one pass in its source: the host's waits for batches (`PipelineSource.waited`: a loader's share of the step, as the host sees it) and its seconds a batch (`pace`)"
+             pace:float|None): # seconds a batch over the pass's second half; None: not a whole pass, or too short
+    "Count one pass in its source: the host's waits for batches (`PipelineSource.waited`: a loader's share of the step, as the host sees it) and its pace"
     if source is None: return
     source.waited += waited
-    # the mean over the second half: the host runs ahead of the GPU in bursts, so only a mean over many batches is the
-    # step's pace, and the first half holds what a fit's first epoch pays once (`FastStep`'s race and capture)
-    half = gaps[len(gaps)//2:]
-    if whole and len(half) >= PACE_BATCHES: source.pace = statistics.fmean(half)
+    if pace is not None: source.pace = pace
 
 class DaliEpoch:
     "One pass over a DALI iterator: it counts the batches taken, stops at `n`, and can be finished early by draining"
@@ -131,8 +133,9 @@ class DaliEpoch:
                  n:int, # batches this epoch yields (`len(dl)`)
                  taken:int=0, # batches of a resumed epoch already taken
                  source=None, # the `PipelineSource` of `it`: its new build's first batch is timed there, and the later ones' waits and pace (`time_waits`)
+                 sync:Callable|None=None, # waits for the work queued on the loader's device (its pace is read between two); None: nothing queued (CPU)
                 ):
-        self.it,self.n,self.taken,self.done = it,n,taken,False
+        self.it,self.n,self.taken,self.done,self.sync = it,n,taken,False,sync or (lambda: None)
         # the source of a build not read yet, whose first batch this epoch times; weakly: the source holds this epoch
         # (`PipelineSource.epoch`), and a cycle would keep a dropped loader's pipeline and threads alive until the GC runs
         self._new = weakref.ref(source) if source is not None and source.unread else None
@@ -141,24 +144,27 @@ class DaliEpoch:
     def __iter__(self):
         "DALI's batches (dicts of outputs); an exception from DALI leaves the epoch `broken`"
         new,self._new = self._new,None  # the first batch only is timed: no clock in the batches after it, unless waits are counted
-        waits,waited,gaps,last = self._waits,0.,[],None
+        waits,waited = self._waits,0.
+        # the pace: the second half of a whole pass, from a GPU sync before its first batch to one after the last step was
+        # queued (the host runs ahead of the GPU, so only a clock read with nothing queued is the step's; the first half
+        # holds what a fit's first epoch pays once: `FastStep`'s race and capture). Two syncs a pass, while counting
+        half,mid = (self.n//2 if waits and self.taken == 0 and paced(self.n) else None),None
         try:
             while True:
+                if self.taken == half and mid is None: self.sync(); mid = time.perf_counter()
                 start = time.perf_counter() if new or waits else None
                 try: data = next(self.it)  # `next()`, not `for`: DALI's `iter()` would try a mid-epoch reset
                 except StopIteration: break
-                now = None if start is None else time.perf_counter()
-                if new: _first_read(new(), now - start); new = None
-                elif waits: waited += now - start  # the host blocked here: DALI had no batch ready
-                if waits:
-                    if last is not None: gaps.append(now - last)
-                    last = now
+                if new: _first_read(new(), time.perf_counter() - start); new = None
+                elif waits: waited += time.perf_counter() - start  # the host blocked here: DALI had no batch ready
                 if self.taken >= self.n: continue  # sharded: every rank stops at `len`; DALI's epoch may hold one more
                 self.taken += 1
                 yield data[0]
             self.done = True
         finally: # also when the epoch is abandoned (`lr_find`, a `break`): what it waited counts
-            if waits: _counted(waits(), waited, gaps, self.done)
+            pace = None
+            if mid is not None and self.done: self.sync(); pace = (time.perf_counter() - mid)/(self.n - half)
+            if waits: _counted(waits(), waited, pace)
 
     @property
     def left(self)->int: return self.n - self.taken
@@ -211,7 +217,7 @@ class PipelineSource:
         self.time_waits,self.waited = False,0. # whether its epochs count the host's waits for the later batches; the seconds counted
         self.pace = None # the mean seconds from one batch in hand to the next over the second half of its last whole pass (`_counted`)
         self.gpu_decode = False # an 'auto' loader's choice: its pipeline decodes on the GPU (`DaliDataLoader.decoding`)
-        self.cpu_pace,self.settled = None,False # 'auto': the pace on the CPU's decoders when it moved; whether the choice is made for good
+        self.trial,self.paces,self.settled = None,{},False # 'auto': the decoders on trial, if any; the paces it compares, by decoders; whether the choice is made for good
 
     def iterator(self, key, # what the pipeline is built for (e.g. recipe and shard): another key rebuilds it
                  make, # `make(seed, order_seed, checkpoint)` → a DALI `Pipeline` whose reader is named 'Reader' (not kept: no cycle)

@@ -23,9 +23,10 @@ from fastai.callback.schedule import LRFinder
 from fastai.learner import AvgLoss, AvgMetric, AvgSmoothLoss, Recorder
 from fastai.metrics import AccumMetric
 from fastai.optimizer import Optimizer
-from fastai.torch_core import TensorBase, find_bs, flatten_check, to_detach
+from fastai.distributed import DistributedDL
+from fastai.torch_core import TensorBase, find_bs, flatten_check, num_distrib, to_detach
 from .fastopt import FastOptimizer, torch_step
-from .distributed import BuffersAtValidation, say_sync_bn
+from .distributed import BuffersAtValidation, DaliShard, say_sync_bn
 from .capture import GraphCapture, StepRace, RACE_FROM
 
 # %% ../nbs/07e_faststep.ipynb #f87763a3
@@ -138,6 +139,15 @@ def _is_channels_last(model)->bool:
     return any(p.dim() == 4 and p.is_contiguous(memory_format=torch.channels_last) and not p.is_contiguous()
                for p in model.parameters())
 
+def _rank_batches(dl)->int|None:
+    "Training batches a rank reads an epoch from `dl`; None where it has no length (a fastai `DataLoader` made with `n=None`)"
+    try: n = len(dl)
+    except TypeError: return None
+    # `FastStep` comes before `DaliDistributed` and fastai's `DistributedTrainer`: in a fit's `before_fit` under DDP its
+    # loader is not a rank's shard yet
+    ranks = num_distrib()
+    return n if ranks <= 1 or isinstance(dl, (DistributedDL, DaliShard)) else -(-n//ranks)
+
 def _set(cb:Callback, **kwargs):
     "Set attributes of the Recorder that share a name with the learner's (fastai's `Callback.__setattr__` warns)"
     for k,v in kwargs.items(): object.__setattr__(cb, k, v)
@@ -211,6 +221,7 @@ class FastStep(Callback):
         self.capture = None
 
     def before_fit(self):
+        if self._buffers: self._buffers.restore(send=False); self._buffers = None # a fit that failed left DDP's broadcast off
         self._host_metrics() # a fit that stopped on an exception left them swapped
         self._let_capture_go() # and its graphs
         self._optimizer()
@@ -220,7 +231,8 @@ class FastStep(Callback):
         # `lr_find` waits for every batch's loss, and a captured step, launched in microseconds, waits less: no race there,
         # and no verdict for the fits after it (the race of a fit that reads no loss is its own). Nor in a short fit, where
         # the race's own batches would cost more than it can win (`RACE_FROM`)
-        short = self.learn.n_epoch*len(self.learn.dls.train) < RACE_FROM
+        n = _rank_batches(self.learn.dls.train)
+        short = n is not None and self.learn.n_epoch*n < RACE_FROM
         race = (StepRace.won_by('graph') if finding or short else StepRace()) if self.graph == 'auto' else None
         self.capture = GraphCapture(self.learn, self._warn, race) if self.graph else None
 

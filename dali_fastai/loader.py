@@ -25,7 +25,7 @@ from dali_fastai.items import (ImageItems, usable_items, FULL_CHECK_LIMIT, _is_d
     _decode_failure)
 from .epoch import (n_batches, batches_per_rank, interleaved_order, as_device, dali_device_id,
     priority_stream, DaliEpoch, PipelineSource, derived_seed, _RANK_STREAM, to_device_async, default_drain_limit,
-    _same, _fed_source, FedSource, ranks_max)
+    _same, _fed_source, FedSource, ranks_max, paced)
 from dali_fastai.pipeline import (classification_pipeline, augment, keep_decoder, cpu_codecs, default_threads, HW_DECODER_LOAD,
     gpu_decoder_cost)
 from .recipe import ImageRecipe, geometry_outputs
@@ -43,8 +43,8 @@ def _loader_settings(cls)->list:
 
 # %% ../nbs/05_loader.ipynb #8d43dbd3
 AUG_OPTIONS = {'area', 'ratio', 'n_warps'} | set(inspect.signature(augment).parameters) - {'images', 'size'}
-_AUTO_STATE = ('gpu_decode', 'waited', 'pace', 'cpu_pace', 'settled')  # `decode_on='auto'`'s state in a loader's `PipelineSource`: its choice, the waits it weighed, the paces it compares
-TRIAL_MARGIN = 0.05  # the first epoch on the GPU's decoders slower than the last on the CPU's by more than this share: back to the CPU's
+_AUTO_STATE = ('gpu_decode', 'waited', 'pace', 'trial', 'paces', 'settled')  # `decode_on='auto'`'s state in a loader's `PipelineSource`: its choice, the waits it weighed, the paces it compares
+TRIAL_MARGIN = 0.05  # an epoch on the GPU's decoders slower than one on the CPU's by more than this share: the CPU's are kept
 
 class DaliDataLoader(BatchDisplay):
     "A fastai-style loader over one DALI pipeline; every `iter()` is a whole, fresh epoch"
@@ -204,7 +204,7 @@ class DaliDataLoader(BatchDisplay):
         return 'gpu' if self._source.gpu_decode else 'cpu'
 
     def _choose_decoder(self):
-        "With decode_on='auto': decode on the GPU from this epoch on once the host has waited for DALI's CPU threads longer than the GPU decoder's start costs (then `_end_trial`)"
+        "With decode_on='auto': decode on the GPU from this epoch on once the host has waited for DALI's CPU threads longer than the GPU decoder's start costs, on trial (`_try`)"
         s = self._source
         # fed pipelines (validation, `test_dl`, `predict`) serve short passes; a DDP rank's validation loader may be read by
         # one rank alone; a resumed epoch continues the graph its checkpoint came from
@@ -212,24 +212,40 @@ class DaliDataLoader(BatchDisplay):
         cost = gpu_decoder_cost(dali_device_id(self.device), self._ranks_here)
         if math.isinf(cost): return  # DALI's CPU backend: no GPU decoder to move to, nothing to count
         s.time_waits = True  # its epochs count the host's waits and their pace (`DaliEpoch`)
-        if s.gpu_decode: return self._end_trial()
-        move = s.waited >= cost
+        if s.trial: return self._try()
+        trial = paced(len(self))  # an epoch too short to give a pace moves without a trial
+        move = s.waited >= cost and (s.pace is not None or not trial)  # with the CPU's pace in hand, to compare with
         # DDP: every rank moves when one would (the ranks may price the start apart: a decoder kept on one GPU only), so all
         # rebuild at the same epoch and keep one order; asked at every training epoch's start, on every rank alike
         if self.world_size > 1: move = ranks_max(float(move), self.device) > 0
         if not move: return
-        s.gpu_decode,s.cpu_pace,s.pace = True,s.pace,None
-        s.close()  # the CPU-decoding pipeline goes (with any other split's), undrained: the next build decodes on the GPU
+        s.paces,s.trial,s.settled,s.time_waits = {'cpu': s.pace},('gpu' if trial else None),not trial,trial
+        self._switch(True)
 
-    def _end_trial(self):
-        "At the start of the epoch after the move: back to DALI's CPU threads for good if the epoch on the GPU's decoders was the slower by more than `TRIAL_MARGIN`, else stay"
-        # a step that keeps the GPU busy (ResNet-50) makes the host wait for batches too: its waits pay for the move, and the
-        # GPU's decoders then take the step's GPU time. Compared, each pace is a whole pass's seconds a batch (`DaliEpoch`)
+    def _switch(self, gpu:bool):
+        "Build the next epoch's pipeline with the GPU's decoders or DALI's CPU threads; its pace is measured anew"
         s = self._source
-        slower = s.cpu_pace is not None and s.pace is not None and s.pace > s.cpu_pace * (1 + TRIAL_MARGIN)
-        if self.world_size > 1: slower = ranks_max(float(slower), self.device) > 0  # every rank goes back, or none
-        s.settled,s.time_waits = True,False
-        if slower: s.gpu_decode = False; s.close()
+        s.gpu_decode,s.pace = gpu,None
+        s.close()  # the pipeline goes (with any other split's), undrained: the next build decodes on the other decoders
+
+    def _try(self):
+        "At the start of the epoch after a switch, keep the faster decoders: after a move, back to the CPU's if the GPU's were slower by more than `TRIAL_MARGIN`; after a move back, the CPU's for good if still faster, else the GPU's"
+        # a step that keeps the GPU busy (ResNet-50) makes the host wait for batches too: its waits pay for the move, and the
+        # GPU's decoders then take the step's GPU time. The CPU's pace before the move may come from another step (a frozen
+        # fit, then `unfreeze`), so a slower trial on the GPU's is checked against the CPU's pace measured right after it
+        s = self._source
+        now,on = s.pace,s.trial
+        if now is None: vote = 1  # the pass was abandoned (`lr_find`): the trial goes on
+        elif on == 'gpu': vote = 2 if s.paces.get('cpu') is not None and now > s.paces['cpu']*(1 + TRIAL_MARGIN) else 0
+        else: vote = 0 if s.paces['gpu'] > now*(1 + TRIAL_MARGIN) else 2
+        if self.world_size > 1: vote = ranks_max(float(vote), self.device)  # every rank acts on the largest vote alike
+        if vote == 1: return
+        if on == 'gpu' and vote == 2:  # slower there: one epoch on the CPU's again, its pace measured next to the GPU's
+            s.paces['gpu'],s.trial = now,'cpu'
+            return self._switch(False)
+        if now is not None: s.paces[on] = now
+        s.trial,s.settled,s.time_waits = None,True,False
+        if on == 'cpu' and vote == 2: self._switch(True)  # the GPU's were not slower, measured next to each other
 
     def _iterator(self)->DALIGenericIterator:
         "The DALI iterator for the current split and shard (the order is the same on every rank; augmentation differs)"
@@ -321,7 +337,7 @@ class DaliDataLoader(BatchDisplay):
         self._epoch_no = state['epoch']
         self._source.load(state)
         self._source.gpu_decode = saved == 'gpu'  # an 'auto' loader decodes there too, and goes on with the saved loader's choice
-        for k,v in dict(waited=0., pace=None, cpu_pace=None, settled=False).items(): setattr(self._source, k, state.get(k, v))
+        for k,v in dict(waited=0., pace=None, trial=None, paces={}, settled=False).items(): setattr(self._source, k, state.get(k, v))
         self._taken_at_resume = state['taken'] if state['dali'] is not None else 0
 
     def _saved_decoding(self, state:dict)->str:
@@ -354,7 +370,8 @@ class DaliDataLoader(BatchDisplay):
         self.reset()
         self._epoch_no += 1
         taken,self._taken_at_resume = self._taken_at_resume,0
-        self._epoch = DaliEpoch(self._iterator(), len(self), taken, self._source)
+        sync = partial(torch.cuda.synchronize, self.device) if self.device.type == 'cuda' else None  # around the pace's clock reads
+        self._epoch = DaliEpoch(self._iterator(), len(self), taken, self._source, sync)
         self.after_batch.split_idx = self.split_idx
         return self._epoch
 

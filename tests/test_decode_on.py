@@ -72,7 +72,7 @@ def test_auto_moves_to_the_gpu_once_the_waits_have_paid_its_start(files, monkeyp
     _switch_costs(monkeypatch, 1e-9)  # the waits have paid for the start
     _every_item_once(dl, 12, 2)
     assert (told, dl.decoding, dl._source.builds) == (['cpu', 'gpu'], 'gpu', 2), "rebuilt once, at an epoch's start"
-    assert dl._source.settled and not dl._source.time_waits, "its first epoch there tried (too short to time: it stays), then no clock read"
+    assert dl._source.settled and not dl._source.time_waits, "epochs too short for a trial: settled, no clock read"
 
 
 def _paced(monkeypatch, batches:int=1):
@@ -81,51 +81,82 @@ def _paced(monkeypatch, batches:int=1):
     monkeypatch.setattr(epoch, 'PACE_BATCHES', batches)
 
 
-def test_an_epoch_on_the_gpus_decoders_slower_than_on_the_cpus_goes_back_for_good(files, monkeypatch):
-    "A step that keeps the GPU busy makes the host wait too: the move is tried for one epoch, and undone when that epoch went slower"
+def _moved(files, monkeypatch)->tuple:
+    "A loader on trial on the GPU's decoders after one epoch on the CPU's, the builds' decoders, and its CPU's pace"
     _paced(monkeypatch)
     dl = index_loader(files[:12], 3, train=True, seed=0)
     told = _told(dl, monkeypatch)
     _switch_costs(monkeypatch, 1e9)
     _every_item_once(dl, 12, 1)
     cpu = dl._source.pace
-    assert cpu is not None and cpu > 0, "a pass gives its pace"
+    assert cpu is not None and cpu > 0, "a whole pass gives its pace"
     _switch_costs(monkeypatch, 1e-9)
     _every_item_once(dl, 12, 1)  # moved at its start
-    assert (dl.decoding, dl._source.cpu_pace, dl._source.settled) == ('gpu', cpu, False), "on trial, the CPU's pace kept"
-    dl._source.pace = cpu * 1.5  # as if the GPU's decoders had slowed the step
-    _every_item_once(dl, 12, 3)
+    assert (dl.decoding, dl._source.trial, dl._source.paces, dl._source.settled) == ('gpu', 'gpu', {'cpu': cpu}, False), "on trial"
+    return dl,told,cpu
+
+
+def test_an_epoch_on_the_gpus_decoders_slower_than_on_the_cpus_goes_back_for_good(files, monkeypatch):
+    "A step that keeps the GPU busy makes the host wait too: the move is tried for one epoch, checked against an epoch on the CPU's right after it, and undone"
+    dl,told,cpu = _moved(files, monkeypatch)
+    dl._source.pace = cpu*1.5  # as if the GPU's decoders had slowed the step
+    _every_item_once(dl, 12, 1)
+    assert (dl.decoding, dl._source.trial) == ('cpu', 'cpu'), "an epoch on the CPU's again, to compare next to it"
+    dl._source.pace = cpu  # as fast as before the move
+    _every_item_once(dl, 12, 2)
     assert (told, dl.decoding, dl._source.settled) == (['cpu', 'gpu', 'cpu'], 'cpu', True), "back on the CPU's threads, and there for good"
-    assert not dl._source.time_waits, "no clock read once settled"
+    assert dl._source.paces == {'cpu': cpu, 'gpu': cpu*1.5} and not dl._source.time_waits, "no clock read once settled"
+
+
+def test_a_trial_slower_than_an_older_pace_but_not_than_the_next_keeps_the_gpus(files, monkeypatch):
+    "The CPU's pace before the move may come from another step (a frozen fit, then `unfreeze`): measured next to the trial it is as slow, so the GPU's come back"
+    dl,told,cpu = _moved(files, monkeypatch)
+    dl._source.pace = cpu*1.5
+    _every_item_once(dl, 12, 1)
+    dl._source.pace = cpu*1.5  # the new step is that slow on the CPU's decoders too
+    _every_item_once(dl, 12, 2)
+    assert (told, dl.decoding, dl._source.settled) == (['cpu', 'gpu', 'cpu', 'gpu'], 'gpu', True)
 
 
 def test_an_epoch_on_the_gpus_decoders_as_fast_or_faster_stays_there(files, monkeypatch):
-    _paced(monkeypatch)
-    _switch_costs(monkeypatch, 1e-9)
     for gpu_pace in (0.5, 1.04):  # faster, or slower within the margin (`TRIAL_MARGIN`)
-        dl = index_loader(files[:12], 3, train=True, seed=0)
+        dl,told,cpu = _moved(files, monkeypatch)
+        dl._source.pace = cpu*gpu_pace
         _every_item_once(dl, 12, 2)
-        dl._source.pace = dl._source.cpu_pace * gpu_pace
-        _every_item_once(dl, 12, 2)
-        assert (dl.decoding, dl._source.settled, dl._source.builds) == ('gpu', True, 2)
+        assert (told, dl.decoding, dl._source.settled) == (['cpu', 'gpu'], 'gpu', True)
+
+
+def test_an_abandoned_trial_epoch_leaves_the_trial_open(files, monkeypatch):
+    "`lr_find` right after the move reads part of an epoch, which gives no pace: the next whole one decides"
+    dl,told,cpu = _moved(files, monkeypatch)
+    dl._source.pace = None
+    batches = iter(dl); next(batches); del batches
+    assert (dl.decoding, dl._source.trial, dl._source.settled) == ('gpu', 'gpu', False)
+    dl._source.pace = cpu*0.5
+    _every_item_once(dl, 12, 2)
+    assert (dl.decoding, dl._source.settled) == ('gpu', True)
+
+
+def test_an_epoch_too_short_for_a_pace_moves_without_a_trial(files, monkeypatch):
+    _switch_costs(monkeypatch, 1e-9)
+    dl = index_loader(files[:12], 3, train=True, seed=0)  # 4 batches: a second half of 2, under PACE_BATCHES
+    _every_item_once(dl, 12, 2)
+    assert (dl.decoding, dl._source.trial, dl._source.settled, dl._source.time_waits) == ('gpu', None, True, False)
 
 
 def test_the_trial_is_saved_with_the_loader(files, monkeypatch):
-    "A loader resumed between the move and the trial's verdict still tries, with the saved pace"
-    _paced(monkeypatch)
-    _switch_costs(monkeypatch, 1e-9)
-    dl = index_loader(files[:12], 3, train=True, seed=0)
-    _every_item_once(dl, 12, 2)
-    dl._source.pace = dl._source.cpu_pace * 2
+    "A loader resumed between the move and the trial's verdict still tries, with the saved paces"
+    dl,told,cpu = _moved(files, monkeypatch)
+    dl._source.pace = cpu*2
     state = dl.state_dict()
-    assert (state['decoding'], state['settled'], state['cpu_pace']) == ('gpu', False, dl._source.cpu_pace)
+    assert (state['decoding'], state['trial'], state['paces'], state['settled']) == ('gpu', 'gpu', {'cpu': cpu}, False)
     fresh = index_loader(files[:12], 3, train=True, seed=0)
     fresh.load_state_dict(state)
-    assert (fresh.decoding, fresh._source.cpu_pace, fresh._source.pace) == ('gpu', state['cpu_pace'], state['pace'])
+    assert (fresh.decoding, fresh._source.paces, fresh._source.pace) == ('gpu', {'cpu': cpu}, cpu*2)
     _every_item_once(fresh, 12, 1)  # the saved DALI epoch, resumed on the graph it came from: no choice made
-    fresh._source.pace = fresh._source.cpu_pace * 2
+    fresh._source.pace = cpu*2
     _every_item_once(fresh, 12, 1)
-    assert (fresh.decoding, fresh._source.settled) == ('cpu', True), "the trial ended as the saved loader's would have"
+    assert (fresh.decoding, fresh._source.trial) == ('cpu', 'cpu'), "the trial went on as the saved loader's would have"
 
 
 def test_a_loader_that_decodes_where_it_is_told_never_moves(files, monkeypatch):
@@ -191,7 +222,7 @@ def test_a_ranks_training_loader_moves_when_any_rank_would(files, monkeypatch):
     _switch_costs(monkeypatch, 5.)
     train = index_loader(files[:8], 2, train=True, seed=0).shard(0, 2)
     for _ in range(3): epoch_items(train)
-    assert asked == [0., 0., 0.] and train.decoding == 'gpu', "asked at each start until it moved, with its own verdict: no; then whether its trial was slower"
+    assert asked == [0., 0.] and train.decoding == 'gpu', "asked at each start until it moved, with its own verdict: no (epochs too short for a trial)"
 
 
 _MOVE_TOGETHER = """
@@ -291,3 +322,29 @@ def test_only_a_whole_pass_gives_the_pace(files, monkeypatch):
     dl._source.pace = None
     epoch_items(dl)
     assert dl._source.pace is None, "a second half shorter than PACE_BATCHES gives none"
+
+
+def test_the_ranks_act_on_the_largest_trial_vote(files, monkeypatch):
+    "Under DDP the trial's verdict is agreed too (`ranks_max`): a rank whose own trial was fast goes back with one that found it slower"
+    import dali_fastai.loader as loader
+    _paced(monkeypatch)
+    _switch_costs(monkeypatch, 1e-9)
+    asked = []
+    monkeypatch.setattr(loader, 'ranks_max', lambda v, device: asked.append(v) or (2. if len(asked) == 3 else v))
+    train = index_loader(files[:24], 2, train=True, seed=0).shard(0, 2)  # 6 batches a rank
+    epoch_items(train)  # no waits counted before it: stays
+    epoch_items(train)  # moves, on trial
+    train._source.pace = train._source.paces['cpu']*0.5  # this rank's trial was faster
+    epoch_items(train)
+    assert asked == [0., 1., 0.] and (train.decoding, train._source.trial) == ('cpu', 'cpu'), "another rank's 'slower' wins"
+
+
+def test_a_batch_shown_on_one_rank_asks_the_others_nothing(files, monkeypatch):
+    "`one_batch` (`show_batch`) on a rank's training shard reads through an unsharded copy: no collective that one rank alone would wait in"
+    import dali_fastai.loader as loader
+    _switch_costs(monkeypatch, 1e-9)
+    def alone(v, device): raise AssertionError("ranks_max called from one_batch")
+    train = index_loader(files[:24], 2, train=True, seed=0).shard(0, 2)
+    monkeypatch.setattr(loader, 'ranks_max', alone)
+    x,y = train.one_batch()
+    assert len(y) == 2 and train.decoding == 'cpu'

@@ -505,3 +505,13 @@ def test_lr_find_and_short_fits_capture_without_a_race(dls, tmp_path, monkeypatc
     monkeypatch.setattr(faststep, 'RACE_FROM', len(seen) + 2*len(learn.dls.train))
     with quiet(learn): learn.fit(2, 1e-2)
     assert seen[0][:2] == ('warmup', None) and seen[0][2], "a fit of RACE_FROM batches races, for the fits after it"
+
+
+def test_a_fit_is_short_by_the_batches_a_rank_reads(monkeypatch):
+    "Under DDP `FastStep` counts a rank's batches, before `DaliDistributed` has made its loader a shard; a loader with no length counts as long"
+    import dali_fastai.faststep as faststep
+    class Unsized:
+        def __len__(self): raise TypeError("no len: made with n=None")
+    assert faststep._rank_batches(list(range(10))) == 10 and faststep._rank_batches(Unsized()) is None
+    monkeypatch.setattr(faststep, 'num_distrib', lambda: 4)
+    assert faststep._rank_batches(list(range(10))) == 3, "a quarter of the whole set's, rounded up"

@@ -282,6 +282,9 @@ def test_buffers_go_to_the_ranks_before_validation_not_at_every_forward(group):
     b.send()
     b.restore()
     assert ddp.broadcast_buffers and b.ddp is None
+    failed = distributed.BuffersAtValidation(ddp)
+    failed.restore(send=False)  # after a fit that raised: no collective, DDP's own broadcast back
+    assert ddp.broadcast_buffers and failed.ddp is None
     assert distributed.BuffersAtValidation(DistributedDataParallel(nn.Linear(4, 2))).ddp is None, "no buffers: nothing to send"
     assert distributed.BuffersAtValidation(nn.BatchNorm1d(4)).ddp is None, "not under DDP: nothing to do"
 

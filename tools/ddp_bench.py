@@ -227,7 +227,8 @@ def decoding(dl, each:list|None=None)->str:
     "Where the training loader decoded (each epoch's where known, else at the end), and the host's waits for DALI's CPU threads it weighed (`decode_on='auto'`)"
     where = ', '.join(each) if each and len(set(each)) > 1 else dl.decoding
     s = dl._source
-    paces = '' if s.cpu_pace is None else f"; a batch's seconds (a whole pass's second half) on the CPU's decoders {s.cpu_pace:.4f}, then the GPU's {s.pace or 0:.4f}"
+    paces = '' if not s.paces else "; a batch's seconds (a whole pass's second half, GPU synced) " + ', '.join(
+        f"on the {k.upper()}'s decoders {v:.4f}" for k,v in s.paces.items() if v is not None)
     return f"; training decoded on the {where} (host waited {s.waited:.2f} s for the CPU's{paces})"
 
 
