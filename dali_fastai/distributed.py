@@ -139,7 +139,8 @@ class BuffersAtValidation:
     @staticmethod
     def _buffers(ddp)->list:
         "The buffers DDP keeps in step: `modules_buffers`, which leaves out those it was told to ignore"
-        return list(getattr(ddp, 'modules_buffers', None) or ddp.module.buffers())
+        kept = getattr(ddp, 'modules_buffers', None)  # [] when every buffer is ignored
+        return list(ddp.module.buffers() if kept is None else kept)
 
     def send(self):
         "Every rank's buffers become rank 0's (a collective: every rank calls it at the same point)"

@@ -148,7 +148,7 @@ class DaliEpoch:
         # the pace: the second half of a whole pass, from a GPU sync before its first batch to one after the last step was
         # queued (the host runs ahead of the GPU, so only a clock read with nothing queued is the step's; the first half
         # holds what a fit's first epoch pays once: `FastStep`'s race and capture). Two syncs a pass, while counting
-        half,mid = (self.n//2 if waits and self.taken == 0 and paced(self.n) else None),None
+        half,mid,whole = (self.n//2 if waits and self.taken == 0 and paced(self.n) else None),None,False
         try:
             while True:
                 if self.taken == half and mid is None: self.sync(); mid = time.perf_counter()
@@ -160,10 +160,10 @@ class DaliEpoch:
                 if self.taken >= self.n: continue  # sharded: every rank stops at `len`; DALI's epoch may hold one more
                 self.taken += 1
                 yield data[0]
-            self.done = True
+            self.done = whole = True
         finally: # also when the epoch is abandoned (`lr_find`, a `break`): what it waited counts
-            pace = None
-            if mid is not None and self.done: self.sync(); pace = (time.perf_counter() - mid)/(self.n - half)
+            pace = None  # this pass's, whole: not one that a drain finished after it was left
+            if mid is not None and whole: self.sync(); pace = (time.perf_counter() - mid)/(self.n - half)
             if waits: _counted(waits(), waited, pace)
 
     @property

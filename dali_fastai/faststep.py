@@ -146,7 +146,8 @@ def _rank_batches(dl)->int|None:
     # `FastStep` comes before `DaliDistributed` and fastai's `DistributedTrainer`: in a fit's `before_fit` under DDP its
     # loader is not a rank's shard yet
     ranks = num_distrib()
-    return n if ranks <= 1 or isinstance(dl, (DistributedDL, DaliShard)) else -(-n//ranks)
+    sharded = isinstance(dl, (DistributedDL, DaliShard)) or getattr(dl, 'world_size', 1) > 1  # a shard already (or one the user made)
+    return n if ranks <= 1 or sharded else -(-n//ranks)
 
 def _set(cb:Callback, **kwargs):
     "Set attributes of the Recorder that share a name with the learner's (fastai's `Callback.__setattr__` warns)"

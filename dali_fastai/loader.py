@@ -8,7 +8,7 @@ Docs: https://dali-fastai.github.io/dali_fastai/loader.html.md"""
 __all__ = ['AUG_OPTIONS', 'TRIAL_MARGIN', 'DaliDataLoader']
 
 # %% ../nbs/05_loader.ipynb #20a7e3fb
-import inspect, math, os
+import copy, inspect, math, os
 from contextlib import nullcontext
 from functools import partial
 import numpy as np
@@ -211,6 +211,9 @@ class DaliDataLoader(BatchDisplay):
         if self.decode_on != 'auto' or s.settled or self._fed or s.resume is not None or (self.world_size > 1 and not self.train): return
         cost = gpu_decoder_cost(dali_device_id(self.device), self._ranks_here)
         if math.isinf(cost): return  # DALI's CPU backend: no GPU decoder to move to, nothing to count
+        if s.gpu_decode and not s.trial:  # a state saved by a loader that decoded on the GPU (decode_on='gpu', or before 'auto')
+            s.settled,s.time_waits = True,False
+            return
         s.time_waits = True  # its epochs count the host's waits and their pace (`DaliEpoch`)
         if s.trial: return self._try()
         trial = paced(len(self))  # an epoch too short to give a pace moves without a trial
@@ -237,11 +240,12 @@ class DaliDataLoader(BatchDisplay):
         now,on = s.pace,s.trial
         if now is None: vote = 1  # the pass was abandoned (`lr_find`): the trial goes on
         elif on == 'gpu': vote = 2 if s.paces.get('cpu') is not None and now > s.paces['cpu']*(1 + TRIAL_MARGIN) else 0
-        else: vote = 0 if s.paces['gpu'] > now*(1 + TRIAL_MARGIN) else 2
+        else: vote = 0 if s.paces.get('gpu', math.inf) > now*(1 + TRIAL_MARGIN) else 2  # no GPU pace here (another rank's vote sent it back): theirs decide
         if self.world_size > 1: vote = ranks_max(float(vote), self.device)  # every rank acts on the largest vote alike
         if vote == 1: return
         if on == 'gpu' and vote == 2:  # slower there: one epoch on the CPU's again, its pace measured next to the GPU's
-            s.paces['gpu'],s.trial = now,'cpu'
+            if now is not None: s.paces['gpu'] = now
+            s.trial = 'cpu'
             return self._switch(False)
         if now is not None: s.paces[on] = now
         s.trial,s.settled,s.time_waits = None,True,False
@@ -266,7 +270,7 @@ class DaliDataLoader(BatchDisplay):
         old,self._fed = self._source,False
         self._source = PipelineSource(old.names)
         self._source.builds,self._source.order_seed = old.builds,old.order_seed  # a rebuilt loader draws seeds anew
-        for k in _AUTO_STATE if keep_choice else (): setattr(self._source, k, getattr(old, k))
+        for k in _AUTO_STATE if keep_choice else (): setattr(self._source, k, copy.copy(getattr(old, k)))
 
     def _settings(self)->dict:
         "What this loader's pipeline is made from, but its items: its settings and augmentation, split and shard"
@@ -320,7 +324,7 @@ class DaliDataLoader(BatchDisplay):
         return {'format': 1, 'n_items': len(self.items), 'bs': self.bs, 'world_size': self.world_size, 'rank': self.rank,
                 'epoch': self._epoch_no, 'taken': 0 if e is None or e.done else e.taken,
                 'warps': None if self.aug.get('warps') is None else np.asarray(self.aug['warps']).tolist(),
-                'decoding': self.decoding, **{k: getattr(self._source, k) for k in _AUTO_STATE[1:]}, **self._source.state()}
+                'decoding': self.decoding, **{k: copy.copy(getattr(self._source, k)) for k in _AUTO_STATE[1:]}, **self._source.state()}
 
     def load_state_dict(self, state:dict, # from `state_dict`
                        ):
@@ -337,7 +341,7 @@ class DaliDataLoader(BatchDisplay):
         self._epoch_no = state['epoch']
         self._source.load(state)
         self._source.gpu_decode = saved == 'gpu'  # an 'auto' loader decodes there too, and goes on with the saved loader's choice
-        for k,v in dict(waited=0., pace=None, trial=None, paces={}, settled=False).items(): setattr(self._source, k, state.get(k, v))
+        for k,v in dict(waited=0., pace=None, trial=None, paces={}, settled=False).items(): setattr(self._source, k, copy.copy(state.get(k, v)))
         self._taken_at_resume = state['taken'] if state['dali'] is not None else 0
 
     def _saved_decoding(self, state:dict)->str:

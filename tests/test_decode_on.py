@@ -348,3 +348,53 @@ def test_a_batch_shown_on_one_rank_asks_the_others_nothing(files, monkeypatch):
     monkeypatch.setattr(loader, 'ranks_max', alone)
     x,y = train.one_batch()
     assert len(y) == 2 and train.decoding == 'cpu'
+
+
+def test_a_state_saved_on_the_gpus_decoders_stays_there(files, monkeypatch):
+    "A state from a loader that decoded on the GPU (decode_on='gpu', or saved before 'auto') is a choice made: no count, no trial"
+    _switch_costs(monkeypatch, 1e-9)
+    _paced(monkeypatch)
+    saved = index_loader(files[:12], 3, train=True, seed=0, decode_on='gpu')
+    _every_item_once(saved, 12, 1)
+    fresh = index_loader(files[:12], 3, train=True, seed=0)
+    fresh.load_state_dict(saved.state_dict())
+    told = _told(fresh, monkeypatch)
+    _every_item_once(fresh, 12, 4)
+    assert (told, fresh._source.settled, fresh._source.time_waits) == (['gpu'], True, False)
+
+
+def test_a_pass_left_then_drained_gives_no_pace(files, monkeypatch):
+    "A pass abandoned after its half-way clock read, finished by `reset`'s drain in another pass, and closed later: no pace from the idle time"
+    _paced(monkeypatch, 2)
+    _switch_costs(monkeypatch, 1e9)
+    dl = index_loader(files[:40], 2, train=True, seed=0, drain_limit=100)  # 20 batches, drained when left
+    _every_item_once(dl, 40, 1)
+    before = dl._source.pace
+    held = iter(dl)
+    for _ in range(12): next(held)
+    dl.reset()  # drains the rest (at most `drain_limit` batches) or builds anew
+    held.close()
+    assert dl._source.pace == before
+
+
+def test_state_and_copies_hold_their_own_paces(files, monkeypatch):
+    dl,told,cpu = _moved(files, monkeypatch)
+    state = dl.state_dict()
+    dl._source.paces['gpu'] = 1.
+    assert state['paces'] == {'cpu': cpu}, "the saved state does not follow the loader"
+
+
+def test_a_rank_without_a_pace_follows_the_others_back_and_on(files, monkeypatch):
+    "Under DDP a rank whose trial pass gave no pace goes back with the others, keeps no GPU pace of None, and decides alike next"
+    import dali_fastai.loader as loader
+    _paced(monkeypatch)
+    _switch_costs(monkeypatch, 1e-9)
+    votes = iter([0., 1., 2., 0.])  # another rank: stays, moves, finds the GPU's slower, keeps the CPU's
+    monkeypatch.setattr(loader, 'ranks_max', lambda v, device: max(v, next(votes)))
+    train = index_loader(files[:24], 2, train=True, seed=0).shard(0, 2)
+    epoch_items(train); epoch_items(train)  # moved
+    train._source.pace = None  # this rank's trial pass gave none
+    epoch_items(train)
+    assert (train.decoding, train._source.trial, 'gpu' in train._source.paces) == ('cpu', 'cpu', False)
+    epoch_items(train)
+    assert train._source.settled and train.decoding == 'cpu', "no GPU pace here: its vote leaves the choice to the ranks that have one"

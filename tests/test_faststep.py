@@ -515,3 +515,5 @@ def test_a_fit_is_short_by_the_batches_a_rank_reads(monkeypatch):
     assert faststep._rank_batches(list(range(10))) == 10 and faststep._rank_batches(Unsized()) is None
     monkeypatch.setattr(faststep, 'num_distrib', lambda: 4)
     assert faststep._rank_batches(list(range(10))) == 3, "a quarter of the whole set's, rounded up"
+    class Shard(list): world_size = 4  # a loader the user sharded: its length is a rank's already
+    assert faststep._rank_batches(Shard(range(10))) == 10
