@@ -18,6 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_map
 from fastcore.basics import store_attr
 from fastai.torch_core import rank_distrib
+from .epoch import ranks_max
 
 # %% ../nbs/07e0_capture.ipynb #0b96f5fa
 RACE_FROM = 200  # `FastStep()` races in fits of this many training batches or more; shorter ones are captured without racing
@@ -71,13 +72,10 @@ class StepRace:
             if self.verdicts is not None: self.verdicts[self.key] = self.winner
 
     def _choose(self)->str:
-        secs = [self.secs['eager'], self.secs['graph']]
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and dist.get_backend() == 'nccl':
-            t = torch.tensor(secs, device=torch.device('cuda', torch.cuda.current_device()))
-            dist.all_reduce(t, op=dist.ReduceOp.MAX) # the slowest rank's times: every rank chooses alike
-            secs = t.tolist()
-            self.secs = dict(eager=secs[0], graph=secs[1])  # what was chosen from, as `race_verdicts` says
-        return 'graph' if secs[1] < secs[0] else 'eager'
+        # under DDP the slowest rank's times: every rank chooses alike, and `race_verdicts` says what was chosen from
+        eager,graph = ranks_max([self.secs['eager'], self.secs['graph']], 'cuda')  # NCCL's: this process's GPU
+        self.secs = dict(eager=eager, graph=graph)
+        return 'graph' if graph < eager else 'eager'
 
 # %% ../nbs/07e0_capture.ipynb #135250b6
 @contextmanager

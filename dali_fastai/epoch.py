@@ -185,14 +185,15 @@ def default_drain_limit(device:torch.device, # the loader's device
     return 100 if device.type == 'cuda' and decoding == 'gpu' else 4
 
 # %% ../nbs/04_epoch.ipynb #2382af58
-def ranks_max(value:float, # this process's value
-              device:torch.device, # the loader's device: NCCL reduces tensors on the GPU
-             )->float: # the largest of the ranks' values; `value` itself outside a process group
+def ranks_max(value:float|list, # this process's value, or values
+              device:torch.device, # the loader's (or model's) device: NCCL reduces tensors on the GPU
+             )->float|list: # the largest of the ranks' values (each, for a list); `value` itself outside a process group
     "The largest `value` of the ranks of the default process group, so that every rank makes one choice from it"
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1: return value
-    t = torch.tensor([float(value)], device=device if dist.get_backend() == 'nccl' else 'cpu')
+    many = isinstance(value, (list, tuple))
+    t = torch.tensor([float(v) for v in value] if many else [float(value)], device=device if dist.get_backend() == 'nccl' else 'cpu')
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
+    return t.tolist() if many else float(t.item())
 
 # %% ../nbs/04_epoch.ipynb #8f7b1784
 _RANK_STREAM = 1 << 20  # a rank's augmentation seed is derived from (seed, build, _RANK_STREAM, rank)

@@ -211,9 +211,6 @@ class DaliDataLoader(BatchDisplay):
         if self.decode_on != 'auto' or s.settled or self._fed or s.resume is not None or (self.world_size > 1 and not self.train): return
         cost = gpu_decoder_cost(dali_device_id(self.device), self._ranks_here)
         if math.isinf(cost): return  # DALI's CPU backend: no GPU decoder to move to, nothing to count
-        if s.gpu_decode and not s.trial:  # a state saved by a loader that decoded on the GPU (decode_on='gpu', or before 'auto')
-            s.settled,s.time_waits = True,False
-            return
         s.time_waits = True  # its epochs count the host's waits and their pace (`DaliEpoch`)
         if s.trial: return self._try()
         trial = paced(len(self))  # an epoch too short to give a pace moves without a trial
@@ -324,7 +321,8 @@ class DaliDataLoader(BatchDisplay):
         return {'format': 1, 'n_items': len(self.items), 'bs': self.bs, 'world_size': self.world_size, 'rank': self.rank,
                 'epoch': self._epoch_no, 'taken': 0 if e is None or e.done else e.taken,
                 'warps': None if self.aug.get('warps') is None else np.asarray(self.aug['warps']).tolist(),
-                'decoding': self.decoding, **{k: copy.copy(getattr(self._source, k)) for k in _AUTO_STATE[1:]}, **self._source.state()}
+                'decoding': self.decoding, **{k: copy.copy(getattr(self._source, k)) for k in _AUTO_STATE[1:]},
+                'settled': self._source.settled or self.decode_on != 'auto', **self._source.state()}  # a loader told where to decode chose
 
     def load_state_dict(self, state:dict, # from `state_dict`
                        ):
@@ -341,7 +339,8 @@ class DaliDataLoader(BatchDisplay):
         self._epoch_no = state['epoch']
         self._source.load(state)
         self._source.gpu_decode = saved == 'gpu'  # an 'auto' loader decodes there too, and goes on with the saved loader's choice
-        for k,v in dict(waited=0., pace=None, trial=None, paces={}, settled=False).items(): setattr(self._source, k, copy.copy(state.get(k, v)))
+        # a state saved before 'auto' had its trial decoded on the GPU for good
+        for k,v in dict(waited=0., pace=None, trial=None, paces={}, settled=saved == 'gpu').items(): setattr(self._source, k, copy.copy(state.get(k, v)))
         self._taken_at_resume = state['taken'] if state['dali'] is not None else 0
 
     def _saved_decoding(self, state:dict)->str:

@@ -237,7 +237,7 @@ from pathlib import Path
 dl = index_loader(sorted(Path(sys.argv[4]).glob('*.png'))[:16], 2, train=True, seed=0).shard(rank, 2)
 where = []
 for _ in range(3): where.append(dl.decoding); list(dl)
-print(where + [dl.decoding], dl._source.builds)
+print(where + [dl.decoding], dl._source.builds, loader.ranks_max([float(rank), 1. - rank], 'cpu'))  # each value's largest
 dist.destroy_process_group()
 """
 
@@ -251,7 +251,7 @@ def test_the_ranks_move_at_the_same_epoch(files, tmp_path):
     try: outs = [p.communicate(timeout=240)[0].strip().splitlines()[-1] for p in procs]
     finally:
         for p in procs: p.kill()
-    assert outs == ["['cpu', 'cpu', 'gpu', 'gpu'] 2"]*2, outs
+    assert outs == ["['cpu', 'cpu', 'gpu', 'gpu'] 2 [1.0, 1.0]"]*2, outs
 
 
 def _jpegs(folder, n:int)->ImageItems:

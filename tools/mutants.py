@@ -179,7 +179,7 @@ MUTANTS = [
              "validation, get_preds and predict read through one pipeline"),
     ('epoch', "        self.feed.start(files, sides)", "        self.feed.start(files[:1], [s[:1] for s in sides])",
               "a fed pipeline starts each epoch over the files it is handed"),
-    ('capture', "return 'graph' if secs[1] < secs[0] else 'eager'", "return 'graph' if secs[1] <= secs[0] else 'eager'",
+    ('capture', "return 'graph' if graph < eager else 'eager'", "return 'graph' if graph <= eager else 'eager'",
                  "graph='auto': a tie keeps the uncaptured step"),
     ('capture', "        if key in verdicts: self.stage,self.winner = 'done',verdicts[key]", "        pass",
                  "graph='auto': a fit takes an earlier fit's winner for the same batches and parameters"),
