@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_map
 from fastcore.basics import store_attr
 from fastai.torch_core import rank_distrib
-from .epoch import ranks_max
+from .epoch import ranks_max, gpu_libraries_started
 
 # %% ../nbs/07e0_capture.ipynb #0b96f5fa
 RACE_FROM = 200  # `FastStep()` races in fits of this many training batches or more; shorter ones are captured without racing
@@ -166,6 +166,7 @@ class GraphCapture:
     def _capture(self, xs:tuple, key:tuple):
         "Capture with the shapes of `xs`; the warm-up passes leave the model's buffers (BatchNorm statistics) as they were"
         m = self.model
+        gpu_libraries_started()  # the loaders' thread that starts them (`start_gpu_libraries`) must not run beside a capture
         saved = [(b, b.detach().clone()) for b in m.buffers()]
         self.remove()
         self._let_the_last_graph_go()

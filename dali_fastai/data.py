@@ -8,9 +8,11 @@ Docs: https://dali-fastai.github.io/dali_fastai/data.html.md"""
 __all__ = ['DaliDataLoaders']
 
 # %% ../nbs/06_data.ipynb #92089cf3
+import os
 from pathlib import Path
 import pandas as pd
 import torch
+import torch.distributed as dist
 from fastcore.foundation import L
 from fastcore.xtras import is_listy
 from fastai.data.block import MultiCategoryBlock, DataBlock
@@ -25,8 +27,17 @@ from .items import ImageItems
 from .blocks import (label_targets, dblock_items, box_items, InMemoryImages, _unseen, _user_tfms, _with_boxes,
     _check_files, _check_class_folders, _folder_files, _column, _labels, _usable_splits)
 from .loader import DaliDataLoader
+from .epoch import as_device, start_gpu_libraries
 from .shards import ShardItems, TFRecordItems, IMAGE_EXTS, shard_targets
 from .annotations import read_coco, read_voc
+
+# %% ../nbs/06_data.ipynb #ea979d6c
+def _starts_ahead(device:torch.device, # the loaders' device
+                 )->bool:
+    "Whether new loaders start what a first fit waits for (the GPU's libraries, the training pipeline's first batches) while the learner is built: on a GPU, in a process of its own"
+    # a DDP process shards its loaders at the fit, which rebuilds their pipelines, and its ranks start their GPUs together
+    ddp = int(os.environ.get('WORLD_SIZE', '1')) > 1 or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+    return device.type == 'cuda' and not ddp
 
 # %% ../nbs/06_data.ipynb #ac80c5a8
 class DaliDataLoaders(DataLoaders):
@@ -46,6 +57,7 @@ class DaliDataLoaders(DataLoaders):
         "Train and valid loaders over `ImageItems`: every constructor ends here"
         _check_args(locals())
         for n,v in (('train', train), ('valid', valid)): check_arg(n, v, ImageItems, 'ImageItems (files and targets)')
+        if _starts_ahead(on := as_device(device)): start_gpu_libraries(on)  # while the files are checked and the learner built
         _check_files(train, 'the training set'); _check_files(valid, 'the validation set')
         if check_files: train,valid = _usable_splits(train, valid, path, skip_bad_files)
         val_kw = {k[4:]: kwargs.pop(k) for k in list(kwargs) if k.startswith('val_')}
@@ -58,6 +70,9 @@ class DaliDataLoaders(DataLoaders):
         dls = cls(train_dl, valid_dl, path=path, device=train_dl.device)
         valid_dl.fed_by(dls._fed_pipelines)  # validation, `get_preds` and `predict` then read through one pipeline
         train_dl.fed_by(dls._fed_pipelines)  # not fed (it shuffles), but its `one_batch` (`show_batch`) reads through the pool
+        # its first batches made while the learner is built, not at the first fit; not a GPU decoder's build (the JPEG
+        # decoder's start, seconds), which a pretrained model's `Normalize` would make again
+        if _starts_ahead(train_dl.device) and train_dl.decoding == 'cpu': train_dl.prepare()
         return dls
 
     @classmethod

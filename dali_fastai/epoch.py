@@ -6,17 +6,19 @@ Docs: https://dali-fastai.github.io/dali_fastai/epoch.html.md"""
 
 # %% auto #0
 __all__ = ['PACE_BATCHES', 'n_batches', 'shard_sizes', 'batches_per_rank', 'interleaved_order', 'as_device', 'dali_device_id',
-           'priority_stream', 'paced', 'DaliEpoch', 'default_drain_limit', 'ranks_max', 'derived_seed',
-           'PipelineSource', 'FileFeed', 'FedSource', 'to_device_async']
+           'priority_stream', 'first_step', 'start_gpu_libraries', 'gpu_libraries_started', 'paced', 'DaliEpoch',
+           'default_drain_limit', 'ranks_max', 'derived_seed', 'PipelineSource', 'FileFeed', 'FedSource',
+           'to_device_async']
 
 # %% ../nbs/04_epoch.ipynb #42a6f309
-import base64, functools, os, time, weakref
+import base64, functools, os, threading, time, weakref
 from collections.abc import Callable
 from collections import deque
 from contextlib import contextmanager
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from fastcore.imports import equals
 from fastai.torch_core import num_distrib
 from nvidia.dali import fn, types
@@ -105,6 +107,44 @@ def priority_stream(device:torch.device, # the device of the block's PyTorch wor
     try:
         with torch.cuda.stream(high): yield high
     finally: caller.wait_stream(high)
+
+# %% ../nbs/04_epoch.ipynb #26c8c9ec
+def first_step(device:torch.device, # where to run it: a CUDA device, or the CPU (what the tests run)
+              ):
+    "A small convolutional network's forward, backward and fused AdamW step, bf16 autocast, channels-last, no random numbers drawn"
+    w = lambda *shape: torch.full(shape, 0.01, device=device)
+    convs = [w(16, 3, 7, 7).to(memory_format=torch.channels_last).requires_grad_(),
+             w(16, 16, 3, 3).to(memory_format=torch.channels_last).requires_grad_()]
+    ps = [*convs, torch.ones(16, device=device, requires_grad=True), torch.zeros(16, device=device, requires_grad=True),
+          w(10, 16).requires_grad_()]
+    opt = torch.optim.AdamW(ps, fused=True)
+    x = torch.ones(4, 3, 32, 32, device=device).to(memory_format=torch.channels_last)
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        bn = lambda h: F.relu(F.batch_norm(h, None, None, ps[2], ps[3], training=True))
+        h = F.max_pool2d(bn(F.conv2d(x, convs[0], stride=2, padding=3)), 3, 2, 1)
+        h = F.adaptive_avg_pool2d(bn(F.conv2d(h, convs[1], padding=1)), 1).flatten(1)
+        loss = F.cross_entropy(F.linear(h, ps[4]), torch.zeros(4, dtype=torch.long, device=device))
+    loss.backward()
+    opt.step()
+    if device.type == 'cuda': torch.cuda.synchronize(device)
+
+_STARTING = {}  # CUDA device index → the thread that starts its libraries (`start_gpu_libraries`)
+
+def _quietly(device):
+    try: first_step(device)
+    except Exception: pass  # nothing is lost: the first training step pays the start, as it would have
+
+def start_gpu_libraries(device:torch.device, # a CUDA device
+                       ):
+    "Start the GPU's libraries for training on `device` (`first_step`) on a thread, once a process, while the caller goes on"
+    i = device.index if device.index is not None else torch.cuda.current_device()
+    if i in _STARTING: return
+    _STARTING[i] = t = threading.Thread(target=_quietly, args=(torch.device('cuda', i),), name=f'dali_fastai: GPU {i} libraries')
+    t.start()
+
+def gpu_libraries_started():
+    "Wait for `start_gpu_libraries`' threads to end (a CUDA graph's capture must not run beside another thread's GPU work)"
+    for t in list(_STARTING.values()): t.join()
 
 # %% ../nbs/04_epoch.ipynb #30b0ce31
 def _first_read(source, # the `PipelineSource` of a build whose first batch was just read (None: freed meanwhile)
@@ -257,6 +297,11 @@ class PipelineSource:
                                    prepare_first_batch=False)
 
     def close(self): self.it,self.key,self.epoch,self.other = None,None,None,{}
+    def start_runs(self):
+        "Let DALI's threads make the iterator's first batches now, as its first `next()` would, without waiting for them"
+        # DALI's iterator schedules its first runs (its prefetch) at its first `next()`, unless it has ever scheduled any: that
+        # `next()` then only reads. After an epoch, `reset` schedules the next epoch's at once: only a new build waits
+        if self.it is not None and self.epoch is None and not self.it._ever_scheduled: self.it._schedule_runs(False)
     @property
     def reading(self)->bool: return self.epoch is not None and not self.epoch.done and self.epoch.left > 0  # an epoch under way
     def abandon(self, limit:int, # at most this many batches left are read (`default_drain_limit`)

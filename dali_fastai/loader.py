@@ -97,7 +97,7 @@ class DaliDataLoader(BatchDisplay):
         self._sides = [t for t in self.items.targets if t.side_files is not None]
         self._source = PipelineSource(['images', 'index'] + (['window', 'matrix'] if self._geometric else []) +
                                       [f'side{k}_{n}' for k,t in enumerate(self._sides) for n in t.side_names])
-        self._fed,self._epoch_no,self._taken_at_resume,self._peeks = False,0,0,0
+        self._fed,self._epoch_no,self._taken_at_resume,self._peeks,self._ahead = False,0,0,0,False
         self._pool,self._keep = None,4  # `fed_by`'s
         self.rank,self.world_size = 0,1
 
@@ -261,12 +261,22 @@ class DaliDataLoader(BatchDisplay):
         "Free the DALI pipeline and its memory (for the loaders sharing it too); the next `iter()` builds a new one"
         self._source.close()
 
+    def prepare(self):
+        "Build the pipeline now and let DALI's threads make the next epoch's first batches while the caller goes on (its learner being built)"
+        # what a fit's first batch waits for otherwise: a new build's first runs. A fed loader starts its passes with their
+        # files; a resumed one (`load_state_dict`) builds from its checkpoint at its epoch's start, where it counts what it skips
+        self._ahead = True  # a settings change that rebuilds the pipeline before that epoch (`add_tfms`' `Normalize`) prepares anew
+        if self._fed or self._source.reading or self._source.resume is not None: return
+        self._iterator()
+        self._source.start_runs()
+
     def _detach(self, keep_choice:bool=True, # keep `decode_on='auto'`'s choice and the waits it weighed
                ):
         "A pipeline of this loader's own from now on, for settings that changed; loaders that shared the old one keep it"
         old,self._fed = self._source,False
         self._source = PipelineSource(old.names)
-        self._source.builds,self._source.order_seed = old.builds,old.order_seed  # a rebuilt loader draws seeds anew
+        # a rebuilt loader draws seeds anew; a build never read (`prepare`'s, before `add_tfms`) leaves its seeds to the next
+        self._source.builds,self._source.order_seed = old.builds - old.unread,old.order_seed
         for k in _AUTO_STATE if keep_choice else (): setattr(self._source, k, copy.copy(getattr(old, k)))
 
     def _settings(self)->dict:
@@ -371,6 +381,7 @@ class DaliDataLoader(BatchDisplay):
         "The next epoch, after the last one is finished or thrown away (a resumed one skips the batches already taken)"
         self._choose_decoder()  # before `reset`: a pipeline that goes is not drained first
         self.reset()
+        self._ahead = False  # `prepare`'s epoch starts now; DALI starts the later ones as each ends
         self._epoch_no += 1
         taken,self._taken_at_resume = self._taken_at_resume,0
         sync = partial(torch.cuda.synchronize, self.device) if self.device.type == 'cuda' else None  # around the pace's clock reads
@@ -482,6 +493,7 @@ class DaliDataLoader(BatchDisplay):
         self.recipes = tuple(r.with_normalize(mean, std) for r in self.recipes)
         self.after_batch = _after_batch(self.recipes[0])
         self._detach()
+        if self._ahead: self.prepare()  # fastai's `vision_learner` adds a pretrained model's `Normalize` before it builds the model
 
     def __getstate__(self):
         "Pickle the settings, never the DALI pipeline (it cannot be pickled): it is rebuilt on the next `iter()`"

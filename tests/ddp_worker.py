@@ -56,6 +56,7 @@ def main():
     p.add_argument('--graph', action='store_true', help="train with FastStep(graph=True): forward and backward as CUDA graphs")
     p.add_argument('--race-from', type=int, default=None, help="FastStep(): race in fits of this many training batches or more (default: RACE_FROM)")
     p.add_argument('--bn', action='store_true', help="a BatchNorm layer in the model (buffers that DDP keeps in step)")
+    p.add_argument('--no-sync-bn', action='store_true', help="on the GPU: distrib_ctx(sync_bn=False), each rank's BatchNorm on its own batch (fastai converts to SyncBatchNorm by default)")
     p.add_argument('--seed', type=int, default=None, help="the training loader's seed (default: rank 0 draws one)")
     a = p.parse_args()
     if a.race_from is not None: faststep.RACE_FROM = a.race_from
@@ -75,7 +76,7 @@ def main():
     rec = Record()
     fast = [FastStep(graph=True if a.graph else False if a.eager else 'auto')] if a.fast_step or a.graph or a.eager else []
     learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), metrics=accuracy, cbs=[DaliDistributed(), rec, *fast])
-    kw = dict(sync_bn=False, cpu=True) if a.device == 'cpu' else {}
+    kw = dict(sync_bn=False, cpu=True) if a.device == 'cpu' else dict(sync_bn=False) if a.no_sync_bn else {}
     with learn.distrib_ctx(**kw):
         with learn.no_bar(): learn.fit(2, 1e-2)
         graphs,forward_sync,valid_buffers = rec.graphs,rec.forward_sync,rec.valid_buffers  # `get_preds` starts the callbacks' `before_fit` again

@@ -517,3 +517,19 @@ def test_a_fit_is_short_by_the_batches_a_rank_reads(monkeypatch):
     assert faststep._rank_batches(list(range(10))) == 3, "a quarter of the whole set's, rounded up"
     class Shard(list): world_size = 4  # a loader the user sharded: its length is a rank's already
     assert faststep._rank_batches(Shard(range(10))) == 10
+
+
+
+@needs_gpu("a CUDA graph's capture")
+def test_capture_right_after_the_gpu_libraries_thread_starts():
+    "A capture must not run beside the thread that starts the GPU's libraries (`start_gpu_libraries`): it waits for it"
+    import dali_fastai.epoch as epoch
+    epoch._STARTING.clear()  # as in a fresh process: the thread starts now, and the capture comes at once
+    epoch.start_gpu_libraries(torch.device('cuda'))
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                          nn.Linear(8, 2)).cuda()
+    warned = []
+    cap = GraphCapture(SimpleNamespace(model=model), warned.append); cap.install()
+    model(torch.randn(4, 3, 16, 16, device='cuda')).sum().backward()
+    assert not warned and cap.graphs, warned
+    assert not any(t.is_alive() for t in epoch._STARTING.values())

@@ -73,6 +73,20 @@ def test_graph_under_ddp_on_gpus(tmp_path, world):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="FastStep(graph=True) under DDP with BatchNorm: needs 2 GPUs")
+def test_graph_with_batchnorm_under_ddp_on_gpus(tmp_path):
+    "Captured under DDP with a BatchNorm layer (sync_bn=False): DDP broadcasts nothing at the forwards, every rank validates and ends with rank 0's statistics; exactly-once, whole-set metrics"
+    r = _torchrun(tmp_path, '--graph', '--bn', '--no-sync-bn', device='gpu')
+    print(ddp_worker.check(tmp_path))
+    assert 'FastStep(graph=True):' not in r.stderr, r.stderr[-3000:]
+    assert all(g['n'] >= 1 and g['failed'] is None for g in _ranks(tmp_path, 'graphs')), _ranks(tmp_path, 'graphs')
+    assert _ranks(tmp_path, 'forward_sync') == [[False, False]]*2
+    stats,at_validation = _ranks(tmp_path, 'buffers'),_ranks(tmp_path, 'valid_buffers')
+    assert stats[0] == stats[1] and stats[0] != 0, stats
+    assert at_validation[0] == at_validation[1] and len(at_validation[0]) == 2, at_validation
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize('world', [2, 4])
 def test_fast_step_races_alike_on_every_rank(tmp_path, world):
     "`FastStep()` under DDP on 2 and 4 GPUs: every rank's race chooses alike (the slowest rank's times), and training stays exactly-once with whole-set metrics"

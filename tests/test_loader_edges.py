@@ -450,3 +450,32 @@ def test_empty_class_folder_is_an_error(tmp_path):
         DaliDataLoaders.from_folder(tmp_path, valid_pct=0.25, bs=2, size=8, device='cpu')
     (tmp_path/'train'/'bird').rmdir(); (tmp_path/'valid'/'bird').rmdir()
     assert DaliDataLoaders.from_folder(tmp_path, bs=2, size=8, device='cpu').vocab == ['cat', 'dog']
+
+
+# ---------------------------------------------------------------- prepare: the first batches made ahead
+
+def _same_epochs(a, b):
+    for (x1,y1),(x2,y2) in zip(a, b, strict=True):
+        assert torch.equal(x1, x2) and torch.equal(y1, y2)
+
+
+def test_prepared_loader_reads_its_prepared_pipeline_with_the_same_batches(files):
+    "`prepare` starts DALI on the first epoch now: that epoch reads the same pipeline (no second build) and the same batches"
+    dl,twin = [index_loader(files[:21], 4, train=True, seed=7) for _ in range(2)]
+    dl.prepare()
+    it = dl._source.it
+    assert it is not None and it._ever_scheduled, "prepare builds the pipeline and schedules its first runs"
+    _same_epochs(dl, twin)
+    assert dl._source.it is it and dl._source.builds == 1
+    _same_epochs(dl, twin)  # the next epoch too, which DALI started as the first ended
+
+
+def test_normalize_added_after_prepare_prepares_the_rebuilt_pipeline(files):
+    "fastai's `vision_learner` adds a pretrained model's `Normalize` after the loaders are made: the rebuild is prepared, with the unread build's seeds"
+    from fastai.data.transforms import Normalize
+    norm = Normalize.from_stats((0.4, 0.5, 0.6), (0.2, 0.25, 0.3))
+    dl,twin = [index_loader(files[:21], 4, train=True, seed=7) for _ in range(2)]
+    dl.prepare(); prepared = dl._source.it
+    dl.add_tfms([norm]); twin.add_tfms([norm])
+    assert dl._source.it is not None and dl._source.it is not prepared and dl._source.it._ever_scheduled
+    _same_epochs(dl, twin)

@@ -233,6 +233,12 @@ MUTANTS = [
                  "a short fit races, paying more than the race can win"),
     ('faststep', "        if self._buffers: self._buffers.send()", "        pass",
                  "under DDP the ranks validate with their own BatchNorm statistics once DDP no longer sends rank 0's at each forward"),
+    ('epoch', "        if self.it is not None and self.epoch is None and not self.it._ever_scheduled: self.it._schedule_runs(False)",
+              "        pass", "a prepared loader's first batches are still made at the first fit's first batch"),
+    ('loader', "        if self._ahead: self.prepare()  #", "        if False: self.prepare()  #",
+               "a pretrained model's Normalize (vision_learner) undoes the loaders' prepare"),
+    ('loader', "old.builds - old.unread,old.order_seed", "old.builds,old.order_seed",
+               "a loader prepared before a Normalize draws other augmentation than one that was not"),
 ]
 
 FAST = ['tests/test_defaults.py', 'tests/test_augment_stats.py']
