@@ -259,6 +259,7 @@ class PipelineSource:
         self.pace = None # the mean seconds from one batch in hand to the next over the second half of its last whole pass (`_counted`)
         self.gpu_decode = False # an 'auto' loader's choice: its pipeline decodes on the GPU (`DaliDataLoader.decoding`)
         self.trial,self.paces,self.settled = None,{},False # 'auto': the decoders on trial, if any; the paces it compares, by decoders; whether the choice is made for good
+        self.kept = None # `(what it is of, batches)`: a whole pass a loader keeps (`DaliDataLoader(keep_batches=True)`)
 
     def iterator(self, key, # what the pipeline is built for (e.g. recipe and shard): another key rebuilds it
                  make, # `make(seed, order_seed, checkpoint)` → a DALI `Pipeline` whose reader is named 'Reader' (not kept: no cycle)
@@ -296,7 +297,7 @@ class PipelineSource:
         return DALIGenericIterator([pipe], self.names, reader_name='Reader', last_batch_policy=policy, auto_reset=True,
                                    prepare_first_batch=False)
 
-    def close(self): self.it,self.key,self.epoch,self.other = None,None,None,{}
+    def close(self): self.it,self.key,self.epoch,self.other,self.kept = None,None,None,{},None
     def start_runs(self):
         "Let DALI's threads make the iterator's first batches now, as its first `next()` would, without waiting for them"
         # DALI's iterator schedules its first runs (its prefetch) at its first `next()`, unless it has ever scheduled any: that
@@ -313,7 +314,7 @@ class PipelineSource:
         try: e.drain()
         except BaseException:  # e.g. Ctrl-C while draining: the iterator's state is unknown, so it is never reused
             self.close(); raise
-    def __getstate__(self): return {**self.__dict__, 'it': None, 'key': None, 'resume': None, 'epoch': None, 'other': {}}  # DALI's cannot be pickled
+    def __getstate__(self): return {**self.__dict__, 'it': None, 'key': None, 'resume': None, 'epoch': None, 'other': {}, 'kept': None}  # DALI's cannot be pickled; kept batches are not the loader's
     def state(self)->dict:
         "Build number, order seed and DALI's checkpoint (reader positions, random generators), JSON-ready"
         return {'build': self.builds - 1 if self.it is None else self.build, 'order_seed': self.order_seed,

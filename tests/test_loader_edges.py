@@ -23,7 +23,7 @@ from PIL import Image
 
 from dali_fastai.loader import DaliDataLoader, ImageItems
 from dali_fastai.data import DaliDataLoaders
-from helpers import (MAX_INDEX, flat, index_items, index_loader, epoch_items, fmnist_subset, tiny_model,
+from helpers import (MAX_INDEX, flat, decode_index, index_items, index_loader, epoch_items, fmnist_subset, tiny_model,
                      Items, RaiseAt, index_learner, N_TRAIN, N_VALID, BS)
 
 # ---------------------------------------------------------------- exact len, exactly once
@@ -479,3 +479,81 @@ def test_normalize_added_after_prepare_prepares_the_rebuilt_pipeline(files):
     dl.add_tfms([norm]); twin.add_tfms([norm])
     assert dl._source.it is not None and dl._source.it is not prepared and dl._source.it._ever_scheduled
     _same_epochs(dl, twin)
+
+
+# ---------------------------------------------------------------- keep_batches: validation passes served from memory
+
+def _kept_loader(files, **kwargs)->DaliDataLoader:
+    "A validation loader that keeps its passes, fed as `DaliDataLoaders` feeds its validation loader"
+    return index_loader(files, 4, keep_batches=True, **kwargs).fed_by([])
+
+
+def _no_dali(epoch): raise AssertionError("this pass read DALI: it should have been served from the kept batches")
+
+
+def _copies(dl)->list: return [tuple(t.clone() for t in b) for b in dl]
+
+
+def _same(a:list, b:list)->bool: return len(a) == len(b) and all(torch.equal(s, t) for x,y in zip(a, b) for s,t in zip(x, y))
+
+
+def test_kept_pass_serves_the_next_passes_without_dali(files):
+    "A whole validation pass is kept: the next passes over the same items are its batches (labels and pixels), not DALI's reads"
+    dl = _kept_loader(files[:21])
+    first = _copies(dl)
+    assert flat([y.tolist() for _,y in first]) == list(range(21)) and decode_index(first[0][0]) == [0, 1, 2, 3]
+    dl._read = _no_dali
+    assert _same(_copies(dl), first) and _same(_copies(dl), first)
+    assert dl._epoch_no == 3
+    assert _same(_copies(dl.new()), first), "a copy made alike (fastai's get_preds) reads the same kept pass"
+
+
+def test_a_kept_pass_is_handed_out_as_copies(files):
+    "What a model or callback does to a served batch in place does not reach the next pass"
+    dl,ref = _kept_loader(files[:9]),_copies(index_loader(files[:9], 4).fed_by([]))
+    for _ in range(3):
+        for x,y in dl: x.zero_(); y.zero_()  # the first pass's batches were kept as copies; the next ones are served copies
+    assert _same(_copies(dl), ref)
+
+
+def test_only_whole_validation_passes_are_kept(files):
+    "An abandoned pass, a training loader's passes and a loader not asked to keep them are read through DALI each time"
+    dl = _kept_loader(files[:21])
+    it = iter(dl); next(it); it.close()
+    assert dl._source.kept is None
+    for shuffle in (True, False):  # a training loader in order is fed too, and draws its augmentation anew each pass
+        train = index_loader(files[:21], 4, train=True, shuffle=shuffle, keep_batches=True, seed=1).fed_by([])
+        list(train); assert train._source.kept is None
+    plain = index_loader(files[:21], 4).fed_by([])
+    list(plain); assert plain._source.kept is None
+
+
+def test_other_items_through_the_same_pipeline_are_not_served_the_kept_pass(files):
+    "A `test_dl` reads other files through the validation pipeline: its own batches, then validation reads its own again"
+    dls = DaliDataLoaders.from_items('.', index_items(files[:21]), index_items(files[21:40]), bs=4, size=8, device='cpu',
+                                     check_files=False, val_keep_batches=True)
+    valid = _copies(dls.valid)
+    assert dls.valid._source.kept is not None
+    test = dls.test_dl(files[40:46])
+    assert decode_index(torch.cat([b[0] for b in test])) == list(range(40, 46))
+    assert _same(_copies(dls.valid), valid)
+
+
+def test_a_pass_over_the_budget_is_not_kept_and_says_so_once(files, monkeypatch):
+    "A pass holding more than `KEEP_SHARE` of the device's memory is read through DALI each time, with one warning"
+    import dali_fastai.loader as loader_module
+    monkeypatch.setattr(loader_module, 'KEEP_SHARE', 1e-9)
+    dl = _kept_loader(files[:9])
+    with pytest.warns(UserWarning, match='not kept'): first = _copies(dl)
+    assert dl._source.kept is None
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        assert _same(_copies(dl), first)
+
+
+def test_a_kept_pass_is_not_pickled(files):
+    "`export` pickles the loaders: the kept batches stay out"
+    dl = _kept_loader(files[:9])
+    list(dl)
+    assert dl._source.kept is not None and pickle.loads(pickle.dumps(dl))._source.kept is None

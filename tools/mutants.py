@@ -239,6 +239,14 @@ MUTANTS = [
                "a pretrained model's Normalize (vision_learner) undoes the loaders' prepare"),
     ('loader', "old.builds - old.unread,old.order_seed", "old.builds,old.order_seed",
                "a loader prepared before a Normalize draws other augmentation than one that was not"),
+    ('loader', "        for b in kept: yield tuple(t.clone() for t in b)", "        for b in kept: yield b",
+               "what a model does in place to a served batch changes the kept pass"),
+    ('loader', "        self.batches.append(tuple(t.clone() for t in b))", "        self.batches.append(b)",
+               "what a model does in place to the first pass's batches changes the kept pass"),
+    ('loader', "        return (self.split_idx, list(self.items.files), self._side_files())", "        return (self.split_idx,)",
+               "a test_dl over other files is served the validation pass"),
+    ('loader', "self._fed and self.split_idx == 1 and", "self._fed and",
+               "a training loader read in order keeps its pass, and replays one augmentation every epoch"),
 ]
 
 FAST = ['tests/test_defaults.py', 'tests/test_augment_stats.py']

@@ -1,0 +1,61 @@
+"""Where the session bench's `fine_tune` epochs go, and what bounds them: one fresh process on the session bench's folder
+and learner (`FastStep(graph=True)`), GPU synced at each phase's ends (so the phases add up):
+
+    python tools/fit_phases.py [--decode-on auto|gpu] [--keep-batches]
+
+Prints, for `fine_tune(3)` (one frozen epoch, three unfrozen), each epoch's seconds, its training and its validation
+pass; then, side by side on the same unfrozen learner, the training step's images per second fed a synthetic batch kept
+on the GPU (`SyntheticLoader`: the step alone) and fed by the training loader, and the loader alone (images per second it
+delivers with no step). `--keep-batches`: the validation loader keeps its pass (`val_keep_batches=True`). GPU only."""
+import argparse, time, warnings
+
+
+def main(decode_on:str='auto', keep_batches:bool=False):
+    warnings.filterwarnings('ignore')
+    import torch
+    from fastai.callback.core import Callback
+    from fastai.data.core import DataLoaders
+    from dali_fastai.faststep import FastStep
+    from dali_fastai.sessionbench import _task_data, _quiet
+    from dali_fastai.data import DaliDataLoaders
+    from dali_fastai.measure import SyntheticLoader, learner_throughput, loader_throughput
+    t,src,db = _task_data('classification', None, 224)
+    device = torch.device('cuda')
+    dls = DaliDataLoaders.from_dblock(db, src, bs=64, device=device, seed=0, decode_on=decode_on, val_keep_batches=keep_batches)
+    learn = t.learner(dls, [FastStep(graph=True)], metric=True, size=224)
+    sync,clock = torch.cuda.synchronize,time.perf_counter
+
+    class Phases(Callback):
+        order = 100
+        def __init__(self): self.rows = []
+        def _t(self): sync(); return clock()
+        def before_epoch(self): self.row = {'epoch': self._t()}
+        def before_train(self): self.row['train'] = self._t()
+        def after_train(self): self.row['train'] = self._t() - self.row['train']
+        def before_validate(self): self.row['valid'] = self._t()
+        def after_validate(self): self.row['valid'] = self._t() - self.row['valid']
+        def after_epoch(self): self.row['epoch'] = self._t() - self.row['epoch']; self.rows.append(self.row)
+
+    ph = Phases()
+    with _quiet(learn): learn.fine_tune(3, cbs=ph)
+    print(f"fine_tune(3), decode_on={decode_on!r}, val_keep_batches={keep_batches}: " + '; '.join(
+        f"epoch {i} {r['epoch']:.3f} s (train {r['train']:.3f}, valid {r['valid']:.3f})" for i,r in enumerate(ph.rows)))
+    print(f"  batches an epoch: train {len(dls.train)}, valid {len(dls.valid)}; decoding now {dls.train.decoding}")
+    steps = {}
+    syn = DataLoaders(SyntheticLoader(64, 224, dls.c, device, n=60), SyntheticLoader(64, 224, dls.c, device, n=2), device=device)
+    real_dls = learn.dls
+    for name,d in (('synthetic batch on the GPU', syn), ('the training loader', real_dls)):
+        learn.dls = d
+        with _quiet(learn): steps[name] = learner_throughput(learn, n_batches=40, warmup=10, passes=3)
+    learn.dls = real_dls
+    loader = loader_throughput(dls.train.new(), device, n_batches=40, warmup=10, passes=3)
+    print("  images/s: " + ', '.join(f"step fed a {k} {v:,.0f}" if k.startswith('synthetic') else f"step fed by {k} {v:,.0f}"
+                                     for k,v in steps.items()) + f", the loader alone {loader:,.0f}")
+
+
+if __name__ == '__main__':
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument('--decode-on', default='auto', choices=['auto', 'gpu', 'cpu'])
+    p.add_argument('--keep-batches', action='store_true', help="the validation loader keeps its pass (val_keep_batches=True)")
+    a = p.parse_args()
+    main(a.decode_on, a.keep_batches)
