@@ -31,7 +31,7 @@ with warnings.catch_warnings():
     from dali_fastai.epoch import n_batches, batches_per_rank, priority_stream, DaliEpoch, PipelineSource, FileFeed, FedSource, to_device_async, default_drain_limit, ranks_max, paced
     from dali_fastai.epoch import first_step, start_gpu_libraries, gpu_libraries_started
     from dali_fastai.display import BatchDisplay
-    from dali_fastai.loader import FULL_CHECK_LIMIT, TRIAL_MARGIN, DaliDataLoader
+    from dali_fastai.loader import FULL_CHECK_LIMIT, TRIAL_MARGIN, KEEP_SHARE, DaliDataLoader
     from dali_fastai.targets import BoxTarget, BoxLabelTarget, PointTarget
     from dali_fastai.masks import prepare_masks, mask_values, check_mask_values, MaskTarget
     from dali_fastai.shards import (shard_index, write_shards, folder_shards, check_shards, parse_label, ShardItems,
@@ -71,7 +71,7 @@ __all__ = ['warp_matrix', 'synthetic_warps', 'rotation_matrix', 'compose_matrice
            'write_shards', 'folder_shards', 'check_shards', 'parse_label', 'ShardItems', 'tfrecord_index',
            'dblock_shards', 'label_targets', 'dblock_items', 'DaliDataLoaders', 'dataloaders_for', 'detection_dataloaders',
            'segmentation_dataloaders', 'UnpackDaliBatch', 'ClampSchedPos',
-           'restart_epoch', 'DaliResetCallback', 'FastStep', 'FastOptimizer', 'torch_step', 'on_device', 'HostReads', 'OpCounts', 'RACE_FROM', 'GraphCapture', 'StepRace', 'BuffersAtValidation', 'TRIAL_MARGIN', 'GCFreeze',
+           'restart_epoch', 'DaliResetCallback', 'FastStep', 'FastOptimizer', 'torch_step', 'on_device', 'HostReads', 'OpCounts', 'RACE_FROM', 'GraphCapture', 'StepRace', 'BuffersAtValidation', 'TRIAL_MARGIN', 'KEEP_SHARE', 'GCFreeze',
            'DaliDistributed', 'DaliCheckpoint', 'FASHION_MNIST_CLASSES', 'fashion_mnist_df', 'write_once',
            'fashion_mnist', 'SCENE_CODES', 'fashion_scenes', 'fastai_to_targets', 'fastai_to_padded', 'small_detector', 'BatchedTransform', 'BatchedFCOS', 'BatchedRetinaNet', 'CachedAnchors', 'padded_targets', 'unpadded_targets', 'BoxCheck', 'padded_detections', 'batch_detections', 'eval_per_image',
            'DetectionAdapter', 'detection_loss', 'DetectionLoss', 'DetectionTargets', 'coco_backend', 'DetectionMAP',
