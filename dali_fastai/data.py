@@ -353,7 +353,7 @@ class DaliDataLoaders(DataLoaders):
             if t.vocab is not None: _unseen(labels, t.vocab, 'test_items')
             items = ImageItems(mem.files, targets=[t.encode_like(labels)], owner=mem)
         # `predict` makes one of these a call: the pipeline, fed each call's files, is built at the first and kept
-        return self.valid.new(items=items, shuffle=False, drop_last=False, **kwargs).fed_by(self._fed_pipelines)
+        return self.valid.new(items=items, shuffle=False, drop_last=False, **{'keep_batches': False, **kwargs}).fed_by(self._fed_pipelines)
 
     @property
     def _fed_pipelines(self)->list:

@@ -57,12 +57,12 @@ class _Keep:
 AUG_OPTIONS = {'area', 'ratio', 'n_warps'} | set(inspect.signature(augment).parameters) - {'images', 'size'}
 _AUTO_STATE = ('gpu_decode', 'waited', 'pace', 'trial', 'paces', 'settled')  # `decode_on='auto'`'s state in a loader's `PipelineSource`: its choice, the waits it weighed, the paces it compares
 TRIAL_MARGIN = 0.05  # an epoch on the GPU's decoders slower than one on the CPU's by more than this share: the CPU's are kept
-KEEP_SHARE = 0.1  # `keep_batches`: a pass is kept while its batches hold at most this share of the device's memory (the machine's, on the CPU)
+KEEP_SHARE = 0.1  # `keep_batches`: a pass is kept while its batches hold at most this share of the device's free memory at its start (the machine's, on the CPU)
 
-def _memory(device:torch.device)->int:
-    "Bytes of memory `device` has: the GPU's, or the machine's"
-    if device.type == 'cuda': return torch.cuda.get_device_properties(device).total_memory
-    return os.sysconf('SC_PAGE_SIZE')*os.sysconf('SC_PHYS_PAGES')
+def _free_memory(device:torch.device)->int:
+    "Bytes of memory free on `device`: the GPU's (as its driver counts: PyTorch's cached blocks are not free), or the machine's"
+    if device.type == 'cuda': return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf('SC_PAGE_SIZE')*os.sysconf('SC_AVPHYS_PAGES')
 
 class DaliDataLoader(BatchDisplay):
     "A fastai-style loader over one DALI pipeline; every `iter()` is a whole, fresh epoch"
@@ -300,7 +300,7 @@ class DaliDataLoader(BatchDisplay):
 
     def _settings(self)->dict:
         "What this loader's pipeline is made from, but its items: its settings and augmentation, split and shard"
-        return {**{k: getattr(self, k) for k in _loader_settings(type(self)) if k not in ('items', 'num_workers')}, **self.aug,
+        return {**{k: getattr(self, k) for k in _loader_settings(type(self)) if k not in ('items', 'num_workers', 'keep_batches')}, **self.aug,
                 'split': self.split_idx, 'shard': (self.rank, self.world_size)}
 
     def fed_by(self, pool:list, # `(settings, FedSource)` pairs kept by the owner of the loaders (`DaliDataLoaders.test_dl`)
@@ -393,8 +393,7 @@ class DaliDataLoader(BatchDisplay):
         if (kept := self._kept()) is not None: yield from self._replay(kept); return
         outputs = self._read(self._start_epoch())  # only `_read` holds the epoch: on a failure it frees the dead pipeline
         after = _work_after(self.after_batch)  # the transforms after DALI are read once an epoch, as its split is
-        keep = _Keep(KEEP_SHARE*_memory(self.device)) if self._keeps() else None
-        if keep is not None: self._source.kept = None  # the pass kept before (other items) goes before this one is copied
+        keep = _Keep(KEEP_SHARE*_free_memory(self.device)) if self._keeps() else None
         for data in outputs:
             b = self._to_batch(data)
             if keep is not None and not keep.add(b): keep = self._over(keep)
@@ -406,13 +405,13 @@ class DaliDataLoader(BatchDisplay):
         return self.keep_batches and self._fed and self.split_idx == 1 and _work_after(self.after_batch) is None
 
     def _pass_key(self)->tuple:
-        "What a kept pass is of: the split and the items' files (a `test_dl` reads others through the same pipeline)"
-        return (self.split_idx, list(self.items.files), self._side_files())
+        "What a kept pass is of: these items (a `test_dl`'s, over the same files or not, are others) and the settings that made it (its split too)"
+        return (self.items, self._settings())
 
     def _kept(self)->list|None:
-        "The batches of the last whole pass over these items, if this loader keeps its passes"
+        "The batches of the last whole pass over these items, made as this loader would make them, if it keeps its passes"
         k = self._source.kept
-        return k[1] if k is not None and self._keeps() and k[0] == self._pass_key() else None
+        return k[1] if k is not None and self._keeps() and k[0][0] is self.items and _same(k[0][1], self._settings()) else None
 
     def _replay(self, kept:list):
         "A pass served from the kept batches: copies, so that nothing done to a batch reaches the next pass"
@@ -494,7 +493,7 @@ class DaliDataLoader(BatchDisplay):
         n,draw = min(self.bs, len(self.items)),derived_seed(self.seed, 1 << 30, self._peeks)  # which items, this peek's
         idx = np.random.default_rng(draw).choice(len(self.items), n, replace=False) if self.shuffle else np.arange(n)
         # a training peek draws augmentation of its own (one seed for all peeks: one pipeline), a validation one reads validation's
-        peek = self.new(items=self.items.subset(idx.tolist()), shuffle=False, drop_last=False,
+        peek = self.new(items=self.items.subset(idx.tolist()), shuffle=False, drop_last=False, keep_batches=False,
                         seed=derived_seed(self.seed, 1 << 30) if self.split_idx == 0 else self.seed)
         return peek.fed_by(self._pool, self._keep)
 
@@ -542,7 +541,9 @@ class DaliDataLoader(BatchDisplay):
         self.mean,self.std = mean,std
         self.recipes = tuple(r.with_normalize(mean, std) for r in self.recipes)
         self.after_batch = _after_batch(self.recipes[0])
+        fed = self._fed
         self._detach()
+        if fed: self.fed_by(self._pool, self._keep)  # validation goes on through the pool's pipeline for these settings
         if self._ahead: self.prepare()  # fastai's `vision_learner` adds a pretrained model's `Normalize` before it builds the model
 
     def __getstate__(self):

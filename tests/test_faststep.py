@@ -521,10 +521,14 @@ def test_a_fit_is_short_by_the_batches_a_rank_reads(monkeypatch):
 
 
 @needs_gpu("a CUDA graph's capture")
-def test_capture_right_after_the_gpu_libraries_thread_starts():
+def test_capture_right_after_the_gpu_libraries_thread_starts(monkeypatch):
     "A capture must not run beside the thread that starts the GPU's libraries (`start_gpu_libraries`): it waits for it"
+    import time
     import dali_fastai.epoch as epoch
+    epoch.gpu_libraries_started()  # any thread an earlier test started has ended
+    slow = lambda device: (time.sleep(2), epoch.first_step(device))  # a start that lasts longer than the capture
     epoch._STARTING.clear()  # as in a fresh process: the thread starts now, and the capture comes at once
+    monkeypatch.setattr(epoch, '_quietly', slow)
     epoch.start_gpu_libraries(torch.device('cuda'))
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
                           nn.Linear(8, 2)).cuda()
@@ -532,4 +536,4 @@ def test_capture_right_after_the_gpu_libraries_thread_starts():
     cap = GraphCapture(SimpleNamespace(model=model), warned.append); cap.install()
     model(torch.randn(4, 3, 16, 16, device='cuda')).sum().backward()
     assert not warned and cap.graphs, warned
-    assert not any(t.is_alive() for t in epoch._STARTING.values())
+    assert not any(t.is_alive() for t in epoch._STARTING.values()), "the capture waited for the thread to end"

@@ -539,6 +539,47 @@ def test_other_items_through_the_same_pipeline_are_not_served_the_kept_pass(file
     assert _same(_copies(dls.valid), valid)
 
 
+def _index_dls(files, **kwargs):
+    return DaliDataLoaders.from_items('.', index_items(files[:21]), index_items(files[21:40]), bs=4, size=8, device='cpu',
+                                      check_files=False, val_keep_batches=True, **kwargs)
+
+
+def test_the_kept_pass_is_of_these_items_as_this_loader_makes_them(files):
+    "A `test_dl` over the validation files (unlabelled, or labelled anew) and a loader whose settings changed read their own"
+    dls = _index_dls(files)
+    valid = _copies(dls.valid)
+    assert [len(b) for b in dls.test_dl(files[21:40])] == [1]*5, "unlabelled: images only, not validation's labels"
+    other = dls.valid.new(items=index_items(files[40:46])).fed_by(dls._fed_pipelines)  # keeps too, same pipeline
+    assert other._source is dls.valid._source and decode_index(torch.cat([x for x,_ in other])) == list(range(40, 46))
+    dls.valid.bs = 8  # another batch size: other batches
+    assert [len(b[0]) for b in dls.valid] == [8, 8, 3]
+    dls.valid.bs = 4
+    assert _same(_copies(dls.valid), valid)
+
+
+def test_showing_a_batch_or_predicting_leaves_the_kept_pass(files):
+    "`one_batch` (`show_batch`) and `test_dl` (`predict`) read through the validation pipeline without keeping, so its pass stays kept"
+    dls = _index_dls(files)
+    valid = _copies(dls.valid)
+    kept = dls.valid._source.kept
+    dls.valid.one_batch(); list(dls.test_dl(files[40:43]))
+    assert dls.valid._source.kept is kept
+    dls.valid._read = _no_dali
+    assert _same(_copies(dls.valid), valid)
+
+
+def test_a_normalize_added_later_keeps_validation_fed_and_kept(files):
+    "`vision_learner` adds a pretrained model's `Normalize` to made loaders: validation still reads through the pool, and keeps"
+    from fastai.data.transforms import Normalize
+    dls = _index_dls(files)
+    dls.add_tfms([Normalize.from_stats((0.4, 0.5, 0.6), (0.2, 0.25, 0.3))], 'after_batch')
+    assert dls.valid._fed
+    valid = _copies(dls.valid)
+    assert dls.valid._source.kept is not None and dls.test_dl(files[40:43])._source is dls.valid._source
+    dls.valid._read = _no_dali
+    assert _same(_copies(dls.valid), valid)
+
+
 def test_a_pass_over_the_budget_is_not_kept_and_says_so_once(files, monkeypatch):
     "A pass holding more than `KEEP_SHARE` of the device's memory is read through DALI each time, with one warning"
     import dali_fastai.loader as loader_module
