@@ -55,7 +55,7 @@ with warnings.catch_warnings():
     from dali_fastai.taskbench import task_bench, detection_bench, segmentation_bench, scale_bench, time_to_accuracy, shards_bench
     from dali_fastai.stepbench import PlainLoop, HostClock, step_bench, task_step_bench, task_time_to_accuracy
     from dali_fastai.capturebench import capture_bench, CAPTURE_MODELS
-    from dali_fastai.sessionbench import GPU_DECODE, race_verdicts, session_run, session_bench, format_session, start_costs, spent_between, build_seconds
+    from dali_fastai.sessionbench import GPU_DECODE, KEEP_VALID, race_verdicts, session_run, session_bench, format_session, start_costs, spent_between, build_seconds
 
 # %% ../nbs/10_all.ipynb #f745ce07
 __all__ = ['warp_matrix', 'synthetic_warps', 'rotation_matrix', 'compose_matrices', 'random_warps_node',
@@ -79,5 +79,5 @@ __all__ = ['warp_matrix', 'synthetic_warps', 'rotation_matrix', 'compose_matrice
            'Throughput', 'training_throughput', 'clock_slowdowns', 'COMPILED', 'fastai_aug_tfms', 'fastai_default_dls',
            'aug_transforms_dls', 'bench', 'format_results', 'task_bench', 'detection_bench', 'segmentation_bench',
            'scale_bench', 'time_to_accuracy', 'shards_bench', 'PlainLoop', 'step_bench', 'task_step_bench',
-           'task_time_to_accuracy', 'HostClock', 'capture_bench', 'CAPTURE_MODELS', 'GPU_DECODE', 'race_verdicts', 'session_run', 'session_bench', 'format_session',
+           'task_time_to_accuracy', 'HostClock', 'capture_bench', 'CAPTURE_MODELS', 'GPU_DECODE', 'KEEP_VALID', 'race_verdicts', 'session_run', 'session_bench', 'format_session',
            'start_costs', 'spent_between', 'build_seconds']
