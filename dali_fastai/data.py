@@ -8,11 +8,11 @@ Docs: https://dali-fastai.github.io/dali_fastai/data.html.md"""
 __all__ = ['DaliDataLoaders']
 
 # %% ../nbs/06_data.ipynb #92089cf3
-import os
 from pathlib import Path
 import pandas as pd
 import torch
 import torch.distributed as dist
+from fastai.torch_core import num_distrib
 from fastcore.foundation import L
 from fastcore.xtras import is_listy
 from fastai.data.block import MultiCategoryBlock, DataBlock
@@ -36,7 +36,7 @@ def _starts_ahead(device:torch.device, # the loaders' device
                  )->bool:
     "Whether new loaders start what a first fit waits for (the GPU's libraries, the training pipeline's first batches) while the learner is built: on a GPU, in a process of its own"
     # a DDP process shards its loaders at the fit, which rebuilds their pipelines, and its ranks start their GPUs together
-    ddp = int(os.environ.get('WORLD_SIZE', '1')) > 1 or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+    ddp = num_distrib() > 1 or (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
     return device.type == 'cuda' and not ddp
 
 # %% ../nbs/06_data.ipynb #ac80c5a8

@@ -398,20 +398,18 @@ class DaliDataLoader(BatchDisplay):
             b = self._to_batch(data)
             if keep is not None and not keep.add(b): keep = self._over(keep)
             yield b if after is None else after(b)
-        if keep is not None: self._source.kept = (self._pass_key(), keep.batches)  # whole: an abandoned pass ends at `yield`
+        if keep is not None: self._source.kept = (self.items, keep.batches)  # whole: an abandoned pass ends at `yield`
 
     def _keeps(self)->bool:
         "Whether this loader keeps its passes (`keep_batches`): validation's transforms read in order through a fed pipeline, nothing run after DALI"
         return self.keep_batches and self._fed and self.split_idx == 1 and _work_after(self.after_batch) is None
 
-    def _pass_key(self)->tuple:
-        "What a kept pass is of: these items (a `test_dl`'s, over the same files or not, are others) and the settings that made it (its split too)"
-        return (self.items, self._settings())
-
     def _kept(self)->list|None:
-        "The batches of the last whole pass over these items, made as this loader would make them, if it keeps its passes"
+        "The batches of the last whole pass over these items (a `test_dl`'s, over the same files or not, are others), if this loader keeps its passes"
+        if not self._keeps(): return None
+        self._source = self._pooled()  # the pool's pipeline for the settings as they are now (`bs` may have changed): its kept pass
         k = self._source.kept
-        return k[1] if k is not None and self._keeps() and k[0][0] is self.items and _same(k[0][1], self._settings()) else None
+        return k[1] if k is not None and k[0] is self.items else None
 
     def _replay(self, kept:list):
         "A pass served from the kept batches: copies, so that nothing done to a batch reaches the next pass"
@@ -423,8 +421,9 @@ class DaliDataLoader(BatchDisplay):
         if not self._said_over:
             self._said_over = True
             warnings.warn(f"keep_batches=True: a pass of this loader holds more than {keep.budget/2**30:.2f} GiB, {KEEP_SHARE:.0%} "
-                          f"of the memory of {self.device} (KEEP_SHARE), so its batches are not kept and each pass reads them "
-                          "through DALI: use a smaller image size or a float16 dtype, or raise dali_fastai.loader.KEEP_SHARE")
+                          f"of the memory free on {self.device} at its start (KEEP_SHARE), so its batches are not kept and each "
+                          "pass reads them through DALI: use a smaller image size or a float16 dtype, or raise "
+                          "dali_fastai.loader.KEEP_SHARE")
 
     def _start_epoch(self)->DaliEpoch:
         "The next epoch, after the last one is finished or thrown away (a resumed one skips the batches already taken)"
