@@ -53,9 +53,10 @@ _FLAG = (bool, 'True or False', None)
 SETTING_CHECKS = {  # a loader setting: (types, what it must be, a further test)
     'bs': (int, 'an int of at least 1', lambda v: v >= 1),
     'size': ((int, tuple, list), 'an int or (height, width) of ints, each at least 1', _is_size),
-    'train': _FLAG, 'priority_stream': _FLAG, 'keep_batches': _FLAG, 'skip_bad_files': _FLAG, 'check_files': _FLAG, 'compose': _FLAG,
+    'train': _FLAG, 'priority_stream': _FLAG, 'skip_bad_files': _FLAG, 'check_files': _FLAG, 'compose': _FLAG,
     'shuffle': ((bool, None), 'True, False or None (the default of the split)', None),
     'drop_last': ((bool, None), 'True, False or None (the default of the split)', None),
+    'keep_batches': ((bool, None), 'True, False or None (on a GPU, within KEEP_SHARE)', None),
     'device': ((str, torch.device, None), "'cpu', 'gpu', 'cuda', 'cuda:<n>', a torch.device or None", None),
     'seed': ((int, None), 'an int or None', None),
     'num_threads': ((int, None), 'an int of at least 1, or None', lambda v: v >= 1),

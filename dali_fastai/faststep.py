@@ -13,6 +13,7 @@ import gc, sys, warnings
 from collections import Counter
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from fastcore.basics import store_attr
@@ -27,7 +28,7 @@ from fastai.distributed import DistributedDL
 from fastai.torch_core import TensorBase, find_bs, flatten_check, num_distrib, to_detach
 from .fastopt import FastOptimizer, torch_step
 from .distributed import BuffersAtValidation, DaliShard, say_sync_bn
-from .capture import GraphCapture, StepRace, RACE_FROM
+from .capture import GraphCapture, ForwardCapture, StepRace, RACE_FROM
 
 # %% ../nbs/07e_faststep.ipynb #f87763a3
 def _on_device(x, learn=None):
@@ -172,6 +173,7 @@ class FastStep(Callback):
         self.verdicts = {} # `graph='auto'`: each race's winner, for the fits after it (`StepRace.recall`)
         self.race_seconds = {} # and each race's timed stretches, {'eager': s, 'graph': s}, by the same key
         self._captured = 0. # the seconds of the fits' captures whose graphs are gone
+        self.forwards = ForwardCapture(self._warn) if graph else None # the inference forward's graphs, kept across fits
 
     def _warn(self, msg):
         if msg not in self._warned: self._warned.add(msg); warnings.warn(msg, stacklevel=2)
@@ -213,7 +215,7 @@ class FastStep(Callback):
     @property
     def capture_seconds(self)->float:
         "Seconds this callback's fits spent capturing CUDA graphs (`GraphCapture.capture_seconds`), the fit under way's included"
-        return self._captured + (self.capture.capture_seconds if self.capture else 0.)
+        return self._captured + (self.capture.capture_seconds if self.capture else 0.) + (self.forwards.capture_seconds if self.forwards else 0.)
     def _let_capture_go(self):
         "The fit's graphs let go, the seconds their capture took and the race's times kept"
         race = self.capture.race if self.capture else None
@@ -225,6 +227,7 @@ class FastStep(Callback):
         if self._buffers: self._buffers.restore(send=False); self._buffers = None # a fit that failed left DDP's broadcast off
         self._host_metrics() # a fit that stopped on an exception left them swapped
         self._let_capture_go() # and its graphs
+        if self.forwards: self.forwards.remove() # a validation that stopped on an exception left it installed
         self._optimizer()
         self._memory_format()
         finding = any(isinstance(cb, LRFinder) for cb in self.learn.cbs)  # lr_find reads the loss every batch anyway
@@ -259,6 +262,10 @@ class FastStep(Callback):
     def before_validate(self):
         if self.capture: self._restart_race(); self.capture.remove()
         if self._buffers: self._buffers.send()
+        # validation, `get_preds` and `predict`, in a fit or not; under DDP the model is left as it is (not measured there)
+        if self.forwards and not isinstance(self.learn.model, DistributedDataParallel): self.forwards.install(self.learn.model)
+    def after_validate(self):
+        if self.forwards: self.forwards.remove()
     def _restart_race(self):
         if self.capture.race: self.capture.race.restart()
     def after_fit(self):

@@ -84,7 +84,7 @@ class DaliDataLoader(BatchDisplay):
                  hw_decoder_load:float=HW_DECODER_LOAD, # GPU: share of JPEGs for the hardware JPEG decoder (A100, H100, H200)
                  decode_on:str='auto', # GPU: JPEGs decoded on the 'gpu', on DALI's 'cpu' threads, or 'auto': the CPU's until the GPU's start pays
                  priority_stream:bool=True, # GPU: while iterated, PyTorch works on a high-priority stream (`priority_stream`)
-                 keep_batches:bool=False, # validation: keep a whole pass's batches on the device and serve the next passes over the same items from them (alike: no shuffle, no augmentation), within `KEEP_SHARE` of its memory
+                 keep_batches:bool|None=None, # validation: keep a whole pass's batches on the device and serve the next passes over the same items from them (alike: no shuffle, no augmentation), within `KEEP_SHARE` of its memory; None: on a GPU
                  drain_limit:int|None=None, # an abandoned epoch with at most this many batches left is drained, else rebuilt; None: `default_drain_limit(device, decoding)`
                  skip_bad_files:bool=False, # leave out files that fail `check_images` (with one warning), instead of raising
                  check_files:bool=True, # check the files' headers before reading them (False: trust them)
@@ -402,7 +402,8 @@ class DaliDataLoader(BatchDisplay):
 
     def _keeps(self)->bool:
         "Whether this loader keeps its passes (`keep_batches`): validation's transforms read in order through a fed pipeline, nothing run after DALI"
-        return self.keep_batches and self._fed and self.split_idx == 1 and _work_after(self.after_batch) is None
+        asked = self.device.type == 'cuda' if self.keep_batches is None else self.keep_batches
+        return asked and self._fed and self.split_idx == 1 and _work_after(self.after_batch) is None
 
     def _kept(self)->list|None:
         "The batches of the last whole pass over these items (a `test_dl`'s, over the same files or not, are others), if this loader keeps its passes"
@@ -417,8 +418,8 @@ class DaliDataLoader(BatchDisplay):
         for b in kept: yield tuple(t.clone() for t in b)
 
     def _over(self, keep:'_Keep')->None:
-        "A pass too large to keep: said once a loader, and read through DALI each time"
-        if not self._said_over:
+        "A pass too large to keep: read through DALI each time, and said once a loader where `keep_batches=True` asked for it"
+        if self.keep_batches and not self._said_over:
             self._said_over = True
             warnings.warn(f"keep_batches=True: a pass of this loader holds more than {keep.budget/2**30:.2f} GiB, {KEEP_SHARE:.0%} "
                           f"of the memory free on {self.device} at its start (KEEP_SHARE), so its batches are not kept and each "

@@ -537,3 +537,90 @@ def test_capture_right_after_the_gpu_libraries_thread_starts(monkeypatch):
     model(torch.randn(4, 3, 16, 16, device='cuda')).sum().backward()
     assert not warned and cap.graphs, warned
     assert not any(t.is_alive() for t in epoch._STARTING.values()), "the capture waited for the thread to end"
+
+
+# ---------------------------------------------------------------- the inference forward, captured (`ForwardCapture`)
+
+def test_faststep_pickles_without_its_inference_graphs(tmp_path):
+    "`export` pickles the callbacks: `FastStep`'s `ForwardCapture` goes without the model it was of (a weak reference) and its graphs"
+    import pickle
+    fs = FastStep(graph=True)
+    model = small_cnn(2)
+    fs.forwards._forget(model)  # as `install` leaves it on a GPU
+    back = pickle.loads(pickle.dumps(fs))
+    assert back.forwards.of is None and back.forwards.graphs == {} and back.graph is True
+    assert FastStep(graph=False).forwards is None
+
+
+def _tensor_dls(n_train=24, n_valid=20, bs=8):
+    from fastai.data.core import DataLoaders
+    from fastai.data.load import DataLoader
+    g = torch.Generator().manual_seed(0)
+    ds = list(zip(torch.randn(n_train + n_valid, 3, 16, 16, generator=g), torch.randint(0, 2, (n_train + n_valid,), generator=g)))
+    return DataLoaders(DataLoader(ds[:n_train], bs=bs, shuffle=True), DataLoader(ds[n_train:], bs=bs))
+
+
+def _eager_validate(learn, fs)->list:
+    "What validation gives with the model's own forward"
+    forwards,fs.forwards = fs.forwards,None
+    try: return [float(v) for v in learn.validate()]
+    finally: fs.forwards = forwards
+
+
+@needs_gpu("FastStep captures the inference forward on a CUDA device")
+def test_validation_replays_the_captured_forward_with_the_trained_weights(tmp_path):
+    """Each fit's validations replay graphs of the inference forward (one a batch shape: 8 and the last 4), captured once and
+    kept across fits: the values are those of the uncaptured forward with the weights as trained so far"""
+    fs = FastStep(graph=True)
+    learn = Learner(_tensor_dls(), small_cnn(2).cuda(), loss_func=CrossEntropyLossFlat(), metrics=accuracy, path=tmp_path, cbs=fs)
+    with quiet(learn), warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always'); learn.fit(3, 1e-2)
+    assert not [x for x in w if 'FastStep' in str(x.message)], [str(x.message) for x in w]
+    assert len(fs.forwards.graphs) == 2 and fs.forwards.replays > 0 and fs.forwards.capture_seconds > 0
+    graphs = {k: g for k,(g,_,_) in fs.forwards.graphs.items()}
+    for _ in range(2):
+        replays = fs.forwards.replays
+        with quiet(learn): learn.fit(1, 1e-2)
+        recorded = [float(v) for v in learn.recorder.values[-1][1:]]  # the fit's validation: loss, accuracy
+        got = [float(v) for v in learn.validate()]
+        assert fs.forwards.replays > replays and {k: g for k,(g,_,_) in fs.forwards.graphs.items()} == graphs, "the same graphs, replayed"
+        assert got == pytest.approx(_eager_validate(learn, fs), rel=1e-5, abs=1e-6)
+        assert got == pytest.approx(recorded, rel=1e-5, abs=1e-6)
+
+
+@needs_gpu("FastStep captures the inference forward on a CUDA device")
+def test_moved_parameters_or_another_model_are_captured_anew(tmp_path):
+    "Graphs read the parameters where they were: a model whose parameters moved, or another model, gets new graphs"
+    fs = FastStep(graph=True)
+    learn = Learner(_tensor_dls(), small_cnn(2).cuda(), loss_func=CrossEntropyLossFlat(), metrics=accuracy, path=tmp_path, cbs=fs)
+    with quiet(learn): learn.fit(1, 1e-2); learn.validate()
+    old = dict(fs.forwards.graphs)
+    with torch.no_grad():
+        for t in learn.model.parameters(): t.data = t.data.clone()  # as `model.to(...)` or `half()` move them: new storage
+    with quiet(learn): learn.validate(); got = [float(v) for v in learn.validate()]  # the first forward of a shape runs uncaptured
+    new = fs.forwards.graphs
+    assert new.keys() == old.keys() and all(new[k][0] is not old[k][0] for k in new), "captured anew"
+    assert got == pytest.approx(_eager_validate(learn, fs), rel=1e-5, abs=1e-6)
+    learn.model = small_cnn(2).cuda()
+    with quiet(learn): learn.validate(); got = [float(v) for v in learn.validate()]
+    assert fs.forwards.of() is learn.model and got == pytest.approx(_eager_validate(learn, fs), rel=1e-5, abs=1e-6)
+
+
+@needs_gpu("FastStep captures the inference forward on a CUDA device")
+def test_get_preds_gives_what_the_uncaptured_forward_gives(tmp_path):
+    "`get_preds` replays the graphs, with the uncaptured forward's values and types; a host read in the forward is said once and runs uncaptured"
+    fs = FastStep(graph=True)
+    learn = Learner(_tensor_dls(), small_cnn(2).cuda(), loss_func=CrossEntropyLossFlat(), path=tmp_path, cbs=fs)
+    with quiet(learn): learn.fit(1, 1e-2)
+    preds,targs = learn.get_preds()
+    forwards,fs.forwards = fs.forwards,None
+    want,_ = learn.get_preds()
+    fs.forwards = forwards
+    assert forwards.replays > 0 and type(preds) is type(want) and torch.allclose(preds, want, rtol=1e-5, atol=1e-6)
+    learn.model = nn.Sequential(small_cnn(2), _HostRead()).cuda()
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        for _ in range(3): learn.get_preds()
+    said = [str(x.message) for x in w if 'inference forward' in str(x.message)]
+    assert len(said) == 1 and 'failed' in said[0], said
+    assert torch.nn.functional.dropout(torch.ones(8, device='cuda'), 0.5).isfinite().all()

@@ -24,7 +24,7 @@ from PIL import Image
 from dali_fastai.loader import DaliDataLoader, ImageItems
 from dali_fastai.data import DaliDataLoaders
 from helpers import (MAX_INDEX, flat, decode_index, index_items, index_loader, epoch_items, fmnist_subset, tiny_model,
-                     Items, RaiseAt, index_learner, N_TRAIN, N_VALID, BS)
+                     Items, RaiseAt, index_learner, N_TRAIN, N_VALID, BS, needs_gpu)
 
 # ---------------------------------------------------------------- exact len, exactly once
 
@@ -524,7 +524,7 @@ def test_only_whole_validation_passes_are_kept(files):
     for shuffle in (True, False):  # a training loader in order is fed too, and draws its augmentation anew each pass
         train = index_loader(files[:21], 4, train=True, shuffle=shuffle, keep_batches=True, seed=1).fed_by([])
         list(train); assert train._source.kept is None
-    plain = index_loader(files[:21], 4).fed_by([])
+    plain = index_loader(files[:21], 4).fed_by([])  # the default on the CPU: read each pass (a GPU keeps: below)
     list(plain); assert plain._source.kept is None
 
 
@@ -591,6 +591,35 @@ def test_a_pass_over_the_budget_is_not_kept_and_says_so_once(files, monkeypatch)
     with warnings.catch_warnings():
         warnings.simplefilter('error')
         assert _same(_copies(dl), first)
+
+
+def _gpu_dls(files, **kwargs):
+    return DaliDataLoaders.from_items('.', index_items(files[:21]), index_items(files[21:40]), bs=4, size=8, device='cuda',
+                                      check_files=False, **kwargs)
+
+
+@needs_gpu("a validation loader on a GPU keeps its pass unless told not to")
+def test_on_a_gpu_validation_keeps_its_pass_by_default(files):
+    "`keep_batches=None` (the default) keeps on a GPU: the next passes read no DALI; `val_keep_batches=False` reads each pass"
+    dls = _gpu_dls(files)
+    valid = _copies(dls.valid)
+    assert dls.valid._source.kept is not None and valid[0][0].device.type == 'cuda'
+    dls.valid._read = _no_dali
+    assert _same(_copies(dls.valid), valid)
+    read = _gpu_dls(files, val_keep_batches=False)
+    assert _same(_copies(read.valid), valid) and read.valid._source.kept is None, "the same batches, read through DALI"
+
+
+@needs_gpu("a pass over the budget on a GPU, kept by default")
+def test_a_default_pass_over_the_budget_is_read_quietly(files, monkeypatch):
+    "Where keeping is the default, not asked for, a pass over `KEEP_SHARE` is read through DALI with no warning"
+    import dali_fastai.loader as loader_module, warnings
+    monkeypatch.setattr(loader_module, 'KEEP_SHARE', 1e-9)
+    dls = _gpu_dls(files)
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always')
+        list(dls.valid); list(dls.valid)
+    assert dls.valid._source.kept is None and not [x for x in w if 'not kept' in str(x.message)]
 
 
 def test_a_kept_pass_is_not_pickled(files):

@@ -1,16 +1,17 @@
 """Where the session bench's `fine_tune` epochs go, and what bounds them: one fresh process on the session bench's folder
 and learner (`FastStep(graph=True)`), GPU synced at each phase's ends (so the phases add up):
 
-    python tools/fit_phases.py [--decode-on auto|gpu] [--keep-batches]
+    python tools/fit_phases.py [--decode-on auto|gpu] [--read-valid]
 
 Prints, for `fine_tune(3)` (one frozen epoch, three unfrozen), each epoch's seconds, its training and its validation
 pass; then, side by side on the same unfrozen learner, the training step's images per second fed a synthetic batch kept
 on the GPU (`SyntheticLoader`: the step alone) and fed by the training loader, and the loader alone (images per second it
-delivers with no step). `--keep-batches`: the validation loader keeps its pass (`val_keep_batches=True`). GPU only."""
+delivers with no step). The validation loader keeps its pass (the default on a GPU); `--read-valid` reads it through DALI
+every epoch (`val_keep_batches=False`). GPU only."""
 import argparse, time, warnings
 
 
-def main(decode_on:str='auto', keep_batches:bool=False):
+def main(decode_on:str='auto', keep_batches:bool=True):
     warnings.filterwarnings('ignore')
     import torch
     from fastai.callback.core import Callback
@@ -56,6 +57,6 @@ def main(decode_on:str='auto', keep_batches:bool=False):
 if __name__ == '__main__':
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument('--decode-on', default='auto', choices=['auto', 'gpu', 'cpu'])
-    p.add_argument('--keep-batches', action='store_true', help="the validation loader keeps its pass (val_keep_batches=True)")
+    p.add_argument('--read-valid', action='store_true', help="validation read through DALI every epoch (val_keep_batches=False)")
     a = p.parse_args()
-    main(a.decode_on, a.keep_batches)
+    main(a.decode_on, not a.read_valid)

@@ -253,6 +253,10 @@ MUTANTS = [
              "each predict replaces the kept validation pass with its own"),
     ('loader', "self._fed and self.split_idx == 1 and", "self._fed and",
                "a training loader read in order keeps its pass, and replays one augmentation every epoch"),
+    ('loader', "asked = self.device.type == 'cuda' if self.keep_batches is None", "asked = True if self.keep_batches is None",
+               "a validation loader on the CPU, not asked to, keeps its passes in the machine's memory"),
+    ('capture', "    def __reduce__(self): return (type(self), (self.warn,))", "    pass",
+                "`export` after a validation on a GPU fails: FastStep's inference graphs hold a weak reference, which pickle refuses"),
 ]
 
 FAST = ['tests/test_defaults.py', 'tests/test_augment_stats.py']
