@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 from fastcore.basics import store_attr
 from fastai.torch_core import rank_distrib
 from .epoch import ranks_max, gpu_libraries_started
@@ -209,32 +209,52 @@ class GraphCapture:
         return tree_map(torch.clone, graphed(*xs)) # the graph's outputs are overwritten by the next replay
 
 # %% ../nbs/07e0_capture.ipynb #321f233f
-def _module(model): return model.module if isinstance(model, DistributedDataParallel) else model
+from torch.nn.modules import module as _torch_module
+
 def _state(m)->tuple:
-    "Where `m`'s parameters and buffers are, and their types: a graph reads them there"
-    return tuple((t.data_ptr(), t.dtype) for t in (*m.parameters(), *m.buffers()))
+    "What a graph of `m`'s forward is made of: its modules, and where its parameters and buffers are, with their types and layouts"
+    return (tuple(map(id, m.modules())),
+            tuple((t.data_ptr(), t.dtype, t.shape, t.stride()) for t in (*m.parameters(), *m.buffers())))
+
+_MODULE_KEYS = set(vars(torch.nn.Module()))  # what every module holds: its parameters, buffers, submodules, hooks...
+
+def _held_tensors(m)->str|None:
+    "A module of `m` holding tensors outside its parameters and buffers (an RNN's hidden state): a graph would read the old ones"
+    for name,mod in m.named_modules():
+        for k,v in vars(mod).items():
+            if k in _MODULE_KEYS or not isinstance(v, (torch.Tensor, list, tuple, dict)): continue
+            if any(isinstance(t, torch.Tensor) for t in tree_leaves(v)):
+                return f"{type(mod).__name__} {name or '(the model)'} holds tensors in {k!r}, outside its parameters and buffers"
+
+def _modes(m)->tuple|None:
+    "The train/eval flag of each module of `m`, or None if a forward hook is set on any (or globally): a replay would skip it"
+    if _torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks: return None
+    modes = []
+    for mod in m.modules():
+        if mod._forward_hooks or mod._forward_pre_hooks: return None
+        modes.append(mod.training)
+    return tuple(modes)
 
 class ForwardCapture:
     "The model's inference forward (eval mode, no gradient: validation, `get_preds`, `predict`) replayed as CUDA graphs, one a few input shapes"
     max_graphs = 4 # shapes captured at most; inputs of other shapes run uncaptured
     def __init__(self, warn:Callable): # says, once, why a forward runs uncaptured
-        self.warn,self.model,self.capture_seconds,self.replays = warn,None,0.,0
+        self.warn,self.model,self.capture_seconds,self.replays,self.check = warn,None,0.,0,False
         self._forget()
 
-    def __reduce__(self): return (type(self), (self.warn,)) # pickled (`export`) without its graphs or the model they are of
+    # pickled (`export`) without its graphs or the model they are of; a model pickled with it installed keeps a working forward
+    def __reduce__(self): return (type(self), (self.warn,), {'model': self.model})
 
     def _forget(self, m=None):
-        self.of,self.graphs,self.seen,self.failed = (weakref.ref(m) if m is not None else None),{},{},None
+        self.of,self.graphs,self.seen = (weakref.ref(m) if m is not None else None),{},{}
         self.state = _state(m) if m is not None else None
+        self.failed = _held_tensors(m) if m is not None else None  # not said: nothing went wrong, the forward runs as it is
 
     def install(self, model):
-        "Replay `model`'s inference forwards until `remove` (the graphs of another model, or of moved parameters, go first)"
-        m = _module(model)
-        if next((p.is_cuda for p in m.parameters()), False) is False: return
-        if self.of is None or self.of() is not m or self.state != _state(m): self._forget(m)
-        if self.failed or 'forward' in vars(m): return
-        if m._forward_hooks or m._forward_pre_hooks: return self._fail("the model has hooks, which a graph would skip")
-        m.forward,self.model = self.forward,m
+        "Replay `model`'s inference forwards until `remove` (the graphs of another model, or of moved parameters, go at its first forward)"
+        if isinstance(model, (DistributedDataParallel, torch.nn.DataParallel)): return  # several GPUs' forward: not captured here
+        if next((p.is_cuda for p in model.parameters()), False) is False or 'forward' in vars(model): return
+        model.forward,self.model,self.check = self.forward,model,True
 
     def remove(self):
         if self.model is not None and vars(self.model).get('forward') == self.forward: del self.model.forward
@@ -244,15 +264,25 @@ class ForwardCapture:
         self.failed = why
         if rank_distrib() == 0: self.warn(f"FastStep: {why}; the inference forward (validation, get_preds) runs uncaptured")
 
+    def _checked(self, m)->bool:
+        "At the first forward after `install` (other callbacks' `before_validate` came between): the graphs of what changed go"
+        if self.check:
+            self.check = False
+            if self.of is None or self.of() is not m or self.state != _state(m): self._forget(m)
+        return not self.failed
+
     def _eager(self, *args, **kwargs): return type(self.model).forward(self.model, *args, **kwargs)
     def forward(self, *args, **kwargs):
         m = self.model
-        if m.training or torch.is_grad_enabled() or kwargs or not args or not all(isinstance(a, torch.Tensor) and a.is_cuda for a in args):
+        if (m.training or torch.is_grad_enabled() or torch.is_inference_mode_enabled() or kwargs or not args
+            or not all(isinstance(a, torch.Tensor) and a.is_cuda for a in args) or not self._checked(m)):
             return self._eager(*args, **kwargs)
+        modes = _modes(m)
+        if modes is None: return self._eager(*args)  # hooks (`learn.summary`'s, `hook_output`'s) must see this forward
         xs = tuple(a.as_subclass(torch.Tensor) for a in args)
-        key = (tuple((x.shape, x.dtype, x.device) for x in xs), torch.is_autocast_enabled('cuda'), torch.get_autocast_dtype('cuda'))
+        key = (tuple((x.shape, x.dtype, x.device) for x in xs), torch.is_autocast_enabled('cuda'), torch.get_autocast_dtype('cuda'), modes)
         if key not in self.graphs:
-            if self.failed or key not in self.seen or len(self.graphs) >= self.max_graphs:
+            if key not in self.seen or len(self.graphs) >= self.max_graphs:
                 out = self._eager(*args)
                 self.seen.setdefault(key, tree_map(type, out))  # the types the graph's outputs are given
                 return out
@@ -273,8 +303,9 @@ class ForwardCapture:
                 # thread_local: DALI's threads go on with their own CUDA work beside the capture
                 with torch.cuda.graph(graph, capture_error_mode='thread_local'): out = self._eager(*static)
             self.graphs[key] = (graph, static, out)
-        except Exception as e:
+        except BaseException as e:
             torch.cuda.set_stream(stream)
             _fresh_rng(xs[0].device)
+            if not isinstance(e, Exception): raise  # Ctrl-C: the stream and the generator put back first
             self._fail(f"capturing the model's inference forward failed ({type(e).__name__}: {e})")
         finally: self.capture_seconds += time.perf_counter() - start

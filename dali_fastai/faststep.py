@@ -13,7 +13,6 @@ import gc, sys, warnings
 from collections import Counter
 
 import torch
-from torch.nn.parallel import DistributedDataParallel
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from fastcore.basics import store_attr
@@ -262,8 +261,7 @@ class FastStep(Callback):
     def before_validate(self):
         if self.capture: self._restart_race(); self.capture.remove()
         if self._buffers: self._buffers.send()
-        # validation, `get_preds` and `predict`, in a fit or not; under DDP the model is left as it is (not measured there)
-        if self.forwards and not isinstance(self.learn.model, DistributedDataParallel): self.forwards.install(self.learn.model)
+        if self.forwards: self.forwards.install(self.learn.model) # validation, `get_preds` and `predict`, in a fit or not
     def after_validate(self):
         if self.forwards: self.forwards.remove()
     def _restart_race(self):

@@ -596,7 +596,7 @@ def test_moved_parameters_or_another_model_are_captured_anew(tmp_path):
     with quiet(learn): learn.fit(1, 1e-2); learn.validate()
     old = dict(fs.forwards.graphs)
     with torch.no_grad():
-        for t in learn.model.parameters(): t.data = t.data.clone()  # as `model.to(...)` or `half()` move them: new storage
+        for t in learn.model.parameters(): t.data = t.data.clone().mul_(1.1)  # as `model.to(...)` moves them, new values too: a stale graph would show
     with quiet(learn): learn.validate(); got = [float(v) for v in learn.validate()]  # the first forward of a shape runs uncaptured
     new = fs.forwards.graphs
     assert new.keys() == old.keys() and all(new[k][0] is not old[k][0] for k in new), "captured anew"
@@ -624,3 +624,19 @@ def test_get_preds_gives_what_the_uncaptured_forward_gives(tmp_path):
     said = [str(x.message) for x in w if 'inference forward' in str(x.message)]
     assert len(said) == 1 and 'failed' in said[0], said
     assert torch.nn.functional.dropout(torch.ones(8, device='cuda'), 0.5).isfinite().all()
+
+
+@needs_gpu("FastStep captures the inference forward on a CUDA device")
+def test_a_hooked_forward_runs_uncaptured(tmp_path):
+    "A forward hook on any module (`learn.summary`'s, `hook_output`'s) sees every forward: with one set, the graphs are not replayed"
+    fs = FastStep(graph=True)
+    learn = Learner(_tensor_dls(), small_cnn(2).cuda(), loss_func=CrossEntropyLossFlat(), path=tmp_path, cbs=fs)
+    with quiet(learn): learn.fit(1, 1e-2); learn.get_preds(); learn.get_preds()
+    replays,seen = fs.forwards.replays,[]
+    assert replays > 0
+    h = learn.model[3].register_forward_hook(lambda m, i, o: seen.append(o.shape[0]))
+    learn.get_preds(); learn.get_preds()
+    h.remove()
+    assert seen == [8, 8, 4]*2 and fs.forwards.replays == replays, (seen, fs.forwards.replays, replays)
+    learn.get_preds()
+    assert fs.forwards.replays > replays, "replayed again once the hook is gone"

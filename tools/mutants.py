@@ -255,7 +255,7 @@ MUTANTS = [
                "a training loader read in order keeps its pass, and replays one augmentation every epoch"),
     ('loader', "asked = self.device.type == 'cuda' if self.keep_batches is None", "asked = True if self.keep_batches is None",
                "a validation loader on the CPU, not asked to, keeps its passes in the machine's memory"),
-    ('capture', "    def __reduce__(self): return (type(self), (self.warn,))", "    pass",
+    ('capture', "    def __reduce__(self): return (type(self), (self.warn,), {'model': self.model})", "    pass",
                 "`export` after a validation on a GPU fails: FastStep's inference graphs hold a weak reference, which pickle refuses"),
 ]
 
