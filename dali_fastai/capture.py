@@ -239,22 +239,21 @@ class ForwardCapture:
     "The model's inference forward (eval mode, no gradient: validation, `get_preds`, `predict`) replayed as CUDA graphs, one a few input shapes"
     max_graphs = 4 # shapes captured at most; inputs of other shapes run uncaptured
     def __init__(self, warn:Callable): # says, once, why a forward runs uncaptured
-        self.warn,self.model,self.capture_seconds,self.replays,self.check = warn,None,0.,0,False
+        self.warn,self.model,self.capture_seconds,self.replays,self.modes = warn,None,0.,0,False
         self._forget()
 
     # pickled (`export`) without its graphs or the model they are of; a model pickled with it installed keeps a working forward
     def __reduce__(self): return (type(self), (self.warn,), {'model': self.model})
 
-    def _forget(self, m=None):
-        self.of,self.graphs,self.seen = (weakref.ref(m) if m is not None else None),{},{}
-        self.state = _state(m) if m is not None else None
+    def _forget(self, m=None, state:tuple|None=None):
+        self.of,self.graphs,self.seen,self.state = (weakref.ref(m) if m is not None else None),{},{},state
         self.failed = _held_tensors(m) if m is not None else None  # not said: nothing went wrong, the forward runs as it is
 
     def install(self, model):
         "Replay `model`'s inference forwards until `remove` (the graphs of another model, or of moved parameters, go at its first forward)"
         if isinstance(model, (DistributedDataParallel, torch.nn.DataParallel)): return  # several GPUs' forward: not captured here
         if next((p.is_cuda for p in model.parameters()), False) is False or 'forward' in vars(model): return
-        model.forward,self.model,self.check = self.forward,model,True
+        model.forward,self.model,self.modes = self.forward,model,False  # checked at its first forward (`_checked`)
 
     def remove(self):
         if self.model is not None and vars(self.model).get('forward') == self.forward: del self.model.forward
@@ -265,11 +264,12 @@ class ForwardCapture:
         if rank_distrib() == 0: self.warn(f"FastStep: {why}; the inference forward (validation, get_preds) runs uncaptured")
 
     def _checked(self, m)->bool:
-        "At the first forward after `install` (other callbacks' `before_validate` came between): the graphs of what changed go"
-        if self.check:
-            self.check = False
-            if self.of is None or self.of() is not m or self.state != _state(m): self._forget(m)
-        return not self.failed
+        "Whether this pass's forwards may replay, read at its first (other callbacks' `before_validate`, which may swap weights or set hooks, came first): the graphs of what changed go"
+        if self.modes is False:
+            state = _state(m)
+            if self.of is None or self.of() is not m or self.state != state: self._forget(m, state)
+            self.modes = _modes(m)  # None: a hook (`learn.summary`'s, `hook_output`'s) must see these forwards
+        return not self.failed and self.modes is not None
 
     def _eager(self, *args, **kwargs): return type(self.model).forward(self.model, *args, **kwargs)
     def forward(self, *args, **kwargs):
@@ -277,10 +277,8 @@ class ForwardCapture:
         if (m.training or torch.is_grad_enabled() or torch.is_inference_mode_enabled() or kwargs or not args
             or not all(isinstance(a, torch.Tensor) and a.is_cuda for a in args) or not self._checked(m)):
             return self._eager(*args, **kwargs)
-        modes = _modes(m)
-        if modes is None: return self._eager(*args)  # hooks (`learn.summary`'s, `hook_output`'s) must see this forward
         xs = tuple(a.as_subclass(torch.Tensor) for a in args)
-        key = (tuple((x.shape, x.dtype, x.device) for x in xs), torch.is_autocast_enabled('cuda'), torch.get_autocast_dtype('cuda'), modes)
+        key = (tuple((x.shape, x.dtype, x.device) for x in xs), torch.is_autocast_enabled('cuda'), torch.get_autocast_dtype('cuda'), self.modes)
         if key not in self.graphs:
             if key not in self.seen or len(self.graphs) >= self.max_graphs:
                 out = self._eager(*args)

@@ -90,9 +90,11 @@ def _quiet(learn):
 
 def _loaders(variant:str, db, src, bs:int, device, seed:int, workers:int|None, settings:dict):
     "fastai's loaders (`dblock.dataloaders`, with its worker processes) or dali_fastai's (`DaliDataLoaders.from_dblock`) with `settings`"
+    own = {GPU_DECODE: {'decode_on': 'gpu'}, READ_VALID: {'val_keep_batches': False}}.get(variant, {})  # what makes the variant
+    if variant == 'fastai' and settings or own.keys() & settings.keys():
+        raise ValueError(f"loader_settings {settings} would change what the variant {variant!r} is: run another variant")
     if variant == 'fastai': return db.dataloaders(src, bs=bs, device=device, num_workers=os.cpu_count() if workers is None else workers)
-    return DaliDataLoaders.from_dblock(db, src, bs=bs, device=device, seed=seed,
-                                       **{**{GPU_DECODE: {'decode_on': 'gpu'}, READ_VALID: {'val_keep_batches': False}}.get(variant, {}), **settings})
+    return DaliDataLoaders.from_dblock(db, src, bs=bs, device=device, seed=seed, **own, **settings)
 
 def _callbacks(variant:str)->list:
     return {'dali_fastai + FastStep()': [FastStep()], 'dali_fastai + FastStep(graph=True)': [FastStep(graph=True)],

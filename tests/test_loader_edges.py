@@ -539,9 +539,9 @@ def test_other_items_through_the_same_pipeline_are_not_served_the_kept_pass(file
     assert _same(_copies(dls.valid), valid)
 
 
-def _index_dls(files, **kwargs):
-    return DaliDataLoaders.from_items('.', index_items(files[:21]), index_items(files[21:40]), bs=4, size=8, device='cpu',
-                                      check_files=False, val_keep_batches=True, **kwargs)
+def _index_dls(files, device='cpu', **kwargs):
+    return DaliDataLoaders.from_items('.', index_items(files[:21]), index_items(files[21:40]), bs=4, size=8, device=device,
+                                      check_files=False, **{'val_keep_batches': True, **kwargs})
 
 
 def test_the_kept_pass_is_of_these_items_as_this_loader_makes_them(files):
@@ -593,20 +593,15 @@ def test_a_pass_over_the_budget_is_not_kept_and_says_so_once(files, monkeypatch)
         assert _same(_copies(dl), first)
 
 
-def _gpu_dls(files, **kwargs):
-    return DaliDataLoaders.from_items('.', index_items(files[:21]), index_items(files[21:40]), bs=4, size=8, device='cuda',
-                                      check_files=False, **kwargs)
-
-
 @needs_gpu("a validation loader on a GPU keeps its pass unless told not to")
 def test_on_a_gpu_validation_keeps_its_pass_by_default(files):
     "`keep_batches=None` (the default) keeps on a GPU: the next passes read no DALI; `val_keep_batches=False` reads each pass"
-    dls = _gpu_dls(files)
+    dls = _index_dls(files, 'cuda', val_keep_batches=None)  # the default
     valid = _copies(dls.valid)
     assert dls.valid._source.kept is not None and valid[0][0].device.type == 'cuda'
     dls.valid._read = _no_dali
     assert _same(_copies(dls.valid), valid)
-    read = _gpu_dls(files, val_keep_batches=False)
+    read = _index_dls(files, 'cuda', val_keep_batches=False)
     assert _same(_copies(read.valid), valid) and read.valid._source.kept is None, "the same batches, read through DALI"
 
 
@@ -615,7 +610,7 @@ def test_a_default_pass_over_the_budget_is_read_quietly(files, monkeypatch):
     "Where keeping is the default, not asked for, a pass over `KEEP_SHARE` is read through DALI with no warning"
     import dali_fastai.loader as loader_module, warnings
     monkeypatch.setattr(loader_module, 'KEEP_SHARE', 1e-9)
-    dls = _gpu_dls(files)
+    dls = _index_dls(files, 'cuda', val_keep_batches=None)  # the default
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter('always')
         list(dls.valid); list(dls.valid)

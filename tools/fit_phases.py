@@ -1,17 +1,18 @@
 """Where the session bench's `fine_tune` epochs go, and what bounds them: one fresh process on the session bench's folder
 and learner (`FastStep(graph=True)`), GPU synced at each phase's ends (so the phases add up):
 
-    python tools/fit_phases.py [--decode-on auto|gpu] [--read-valid]
+    python tools/fit_phases.py [--decode-on auto|gpu] [--read-valid] [--eager-forward]
 
 Prints, for `fine_tune(3)` (one frozen epoch, three unfrozen), each epoch's seconds, its training and its validation
 pass; then, side by side on the same unfrozen learner, the training step's images per second fed a synthetic batch kept
 on the GPU (`SyntheticLoader`: the step alone) and fed by the training loader, and the loader alone (images per second it
 delivers with no step). The validation loader keeps its pass (the default on a GPU); `--read-valid` reads it through DALI
-every epoch (`val_keep_batches=False`). GPU only."""
+every epoch (`val_keep_batches=False`); `--eager-forward`: `FastStep` runs the inference forward uncaptured (its
+`ForwardCapture` off; training is still captured). GPU only."""
 import argparse, time, warnings
 
 
-def main(decode_on:str='auto', keep_batches:bool=True):
+def main(decode_on:str='auto', keep_batches:bool=True, eager_forward:bool=False):
     warnings.filterwarnings('ignore')
     import torch
     from fastai.callback.core import Callback
@@ -23,7 +24,9 @@ def main(decode_on:str='auto', keep_batches:bool=True):
     t,src,db = _task_data('classification', None, 224)
     device = torch.device('cuda')
     dls = DaliDataLoaders.from_dblock(db, src, bs=64, device=device, seed=0, decode_on=decode_on, val_keep_batches=keep_batches)
-    learn = t.learner(dls, [FastStep(graph=True)], metric=True, size=224)
+    fs = FastStep(graph=True)
+    if eager_forward: fs.forwards = None
+    learn = t.learner(dls, [fs], metric=True, size=224)
     sync,clock = torch.cuda.synchronize,time.perf_counter
 
     class Phases(Callback):
@@ -39,7 +42,7 @@ def main(decode_on:str='auto', keep_batches:bool=True):
 
     ph = Phases()
     with _quiet(learn): learn.fine_tune(3, cbs=ph)
-    print(f"fine_tune(3), decode_on={decode_on!r}, val_keep_batches={keep_batches}: " + '; '.join(
+    print(f"fine_tune(3), decode_on={decode_on!r}, val_keep_batches={keep_batches}, eager_forward={eager_forward}: " + '; '.join(
         f"epoch {i} {r['epoch']:.3f} s (train {r['train']:.3f}, valid {r['valid']:.3f})" for i,r in enumerate(ph.rows)))
     print(f"  batches an epoch: train {len(dls.train)}, valid {len(dls.valid)}; decoding now {dls.train.decoding}")
     steps = {}
@@ -58,5 +61,6 @@ if __name__ == '__main__':
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument('--decode-on', default='auto', choices=['auto', 'gpu', 'cpu'])
     p.add_argument('--read-valid', action='store_true', help="validation read through DALI every epoch (val_keep_batches=False)")
+    p.add_argument('--eager-forward', action='store_true', help="the inference forward uncaptured (FastStep's ForwardCapture off)")
     a = p.parse_args()
-    main(a.decode_on, not a.read_valid)
+    main(a.decode_on, not a.read_valid, a.eager_forward)
