@@ -96,6 +96,21 @@ def _fresh_rng(device:torch.device):
     g = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
     g.graphsafe_set_state(g.clone_state())
 
+@contextmanager
+def _capturing(capture, # a `GraphCapture` or `ForwardCapture`: told why a capture failed (`_fail`), its `capture_seconds` counted
+               device:torch.device, # where the capture runs
+               what:str, # what is captured, for the message
+              ):
+    "Count a capture's seconds; if it fails, put back the stream and the generator it left in capture mode, then say why (Ctrl-C goes on up)"
+    stream,start = torch.cuda.current_stream(device),time.perf_counter()  # a failed capture leaves its own stream current
+    try: yield
+    except BaseException as e:
+        torch.cuda.set_stream(stream)
+        _fresh_rng(device)
+        if not isinstance(e, Exception): raise
+        capture._fail(f"capturing {what} failed ({type(e).__name__}: {e})")
+    finally: capture.capture_seconds += time.perf_counter() - start
+
 class GraphCapture:
     "The model's training forward and backward replayed as CUDA graphs, one for each of a few shapes of its tensor inputs"
     max_graphs = 4 # shapes captured at most; batches of another shape run uncaptured
@@ -171,19 +186,13 @@ class GraphCapture:
         saved = [(b, b.detach().clone()) for b in m.buffers()]
         self.remove()
         self._let_the_last_graph_go()
-        start = time.perf_counter()  # `make_graphed_callables` syncs after its warm-up passes and a capture runs no kernel: the host's clock
-        stream = torch.cuda.current_stream(xs[0].device)  # a failed capture leaves its own stream current (`torch.cuda.graph`'s exit stops early)
+        # `make_graphed_callables` syncs after its warm-up passes and a capture runs no kernel: `_capturing` times it on the host's clock
         try:
-            with _quiet_stream_mismatch(), torch.autocast('cuda', dtype=torch.get_autocast_dtype('cuda'),
-                                                          enabled=torch.is_autocast_enabled('cuda'), cache_enabled=False):
+            with _capturing(self, xs[0].device, 'the model'), _quiet_stream_mismatch(), torch.autocast(
+                    'cuda', dtype=torch.get_autocast_dtype('cuda'), enabled=torch.is_autocast_enabled('cuda'), cache_enabled=False):
                 torch.cuda.make_graphed_callables(m, xs, allow_unused_input=True)
-            self.graphs[key] = vars(m)['forward']
-        except Exception as e:
-            torch.cuda.set_stream(stream)
-            _fresh_rng(xs[0].device)
-            self._fail(f"capturing the model failed ({type(e).__name__}: {e})")
+                self.graphs[key] = vars(m)['forward']
         finally:
-            self.capture_seconds += time.perf_counter() - start
             vars(m).pop('forward', None)
             with torch.no_grad():
                 for b,v in saved: b.copy_(v)
@@ -295,15 +304,8 @@ class ForwardCapture:
         "Capture the forward with the shapes of `xs`, under the autocast it runs under (its cast cache off: casts are captured)"
         gpu_libraries_started()  # the loaders' thread that starts them (`start_gpu_libraries`) must not run beside a capture
         static,graph = tuple(x.clone() for x in xs),torch.cuda.CUDAGraph()
-        stream,start = torch.cuda.current_stream(xs[0].device),time.perf_counter()
-        try:
-            with torch.autocast('cuda', dtype=key[2], enabled=key[1], cache_enabled=False):
-                # thread_local: DALI's threads go on with their own CUDA work beside the capture
-                with torch.cuda.graph(graph, capture_error_mode='thread_local'): out = self._eager(*static)
+        with _capturing(self, xs[0].device, "the model's inference forward"), torch.autocast(
+                'cuda', dtype=key[2], enabled=key[1], cache_enabled=False):
+            # thread_local: DALI's threads go on with their own CUDA work beside the capture
+            with torch.cuda.graph(graph, capture_error_mode='thread_local'): out = self._eager(*static)
             self.graphs[key] = (graph, static, out)
-        except BaseException as e:
-            torch.cuda.set_stream(stream)
-            _fresh_rng(xs[0].device)
-            if not isinstance(e, Exception): raise  # Ctrl-C: the stream and the generator put back first
-            self._fail(f"capturing the model's inference forward failed ({type(e).__name__}: {e})")
-        finally: self.capture_seconds += time.perf_counter() - start

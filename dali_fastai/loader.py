@@ -289,6 +289,12 @@ class DaliDataLoader(BatchDisplay):
         self._iterator()
         self._source.start_runs()
 
+    def _rebuilt(self):
+        "After a change of settings (device, normalization): a fed loader reads through the pool's pipeline for its new settings (and keeps), others detach"
+        fed = self._fed
+        self._detach()
+        if fed and self._pool is not None: self.fed_by(self._pool, self._keep)
+
     def _detach(self, keep_choice:bool=True, # keep `decode_on='auto'`'s choice and the waits it weighed
                ):
         "A pipeline of this loader's own from now on, for settings that changed; loaders that shared the old one keep it"
@@ -514,8 +520,9 @@ class DaliDataLoader(BatchDisplay):
     def to(self, device):
         "Move batches (and DALI's work) to `device`; the pipeline is rebuilt there on the next `iter()`"
         device = as_device(device)
-        if device != self.device: self._detach()
+        if device == self.device: return self
         self.device = device
+        self._rebuilt()
         return self
 
     def new_empty(self):
@@ -541,9 +548,7 @@ class DaliDataLoader(BatchDisplay):
         self.mean,self.std = mean,std
         self.recipes = tuple(r.with_normalize(mean, std) for r in self.recipes)
         self.after_batch = _after_batch(self.recipes[0])
-        fed = self._fed
-        self._detach()
-        if fed: self.fed_by(self._pool, self._keep)  # validation goes on through the pool's pipeline for these settings
+        self._rebuilt()
         if self._ahead: self.prepare()  # fastai's `vision_learner` adds a pretrained model's `Normalize` before it builds the model
 
     def __getstate__(self):

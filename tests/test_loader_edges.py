@@ -580,6 +580,18 @@ def test_a_normalize_added_later_keeps_validation_fed_and_kept(files):
     assert _same(_copies(dls.valid), valid)
 
 
+def test_validation_moved_to_another_device_stays_fed(files, monkeypatch):
+    "`dls.to(device)` gives validation the pool's pipeline for the new device, shared with `test_dl` there: it keeps again, not a reader of its own"
+    dls = _index_dls(files)
+    old = dls.valid._source
+    monkeypatch.setattr(torch.cuda, 'is_available', lambda: True)  # nothing is built before the next `iter()`: no GPU needed
+    dls.to(torch.device('cuda', 0))
+    assert dls.valid._fed and dls.valid._source is not old and dls.valid._keeps()
+    assert dls.test_dl(files[40:43])._source is dls.valid._source
+    dls.to(torch.device('cpu'))
+    assert dls.valid._fed and dls.valid._source is old, "the pool's pipeline for the CPU again"
+
+
 def test_a_pass_over_the_budget_is_not_kept_and_says_so_once(files, monkeypatch):
     "A pass holding more than `KEEP_SHARE` of the device's memory is read through DALI each time, with one warning"
     import dali_fastai.loader as loader_module
@@ -603,6 +615,18 @@ def test_on_a_gpu_validation_keeps_its_pass_by_default(files):
     assert _same(_copies(dls.valid), valid)
     read = _index_dls(files, 'cuda', val_keep_batches=False)
     assert _same(_copies(read.valid), valid) and read.valid._source.kept is None, "the same batches, read through DALI"
+
+
+@needs_gpu("loaders made on the CPU and moved to a GPU")
+def test_validation_moved_to_a_gpu_keeps_there(files):
+    "`dls.to('cuda')`: validation reads through the pool's pipeline on the GPU, keeps its pass there, and serves the next from it"
+    dls = _index_dls(files, 'cpu', val_keep_batches=None)  # the default: keeps on a GPU only
+    on_cpu = _copies(dls.valid)
+    dls.to('cuda')
+    valid = _copies(dls.valid)
+    assert dls.valid._source.kept is not None and valid[0][0].device.type == 'cuda'
+    dls.valid._read = _no_dali
+    assert _same(_copies(dls.valid), valid) and [torch.equal(x[1].cpu(), y[1]) for x,y in zip(valid, on_cpu, strict=True)] == [True]*len(on_cpu)
 
 
 @needs_gpu("a pass over the budget on a GPU, kept by default")
