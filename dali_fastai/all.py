@@ -29,7 +29,7 @@ with warnings.catch_warnings():
     from dali_fastai.checks import check_arg, check_settings
     from dali_fastai.items import Target, ImageItems, usable_items
     from dali_fastai.epoch import n_batches, batches_per_rank, priority_stream, DaliEpoch, PipelineSource, FileFeed, FedSource, to_device_async, default_drain_limit, ranks_max, paced
-    from dali_fastai.epoch import first_step, start_gpu_libraries, gpu_libraries_started
+    from dali_fastai.epoch import first_step, start_gpu_libraries, gpu_libraries_started, read_ahead_on_thread, reads_ahead_done
     from dali_fastai.display import BatchDisplay
     from dali_fastai.loader import FULL_CHECK_LIMIT, TRIAL_MARGIN, KEEP_SHARE, DaliDataLoader
     from dali_fastai.targets import BoxTarget, BoxLabelTarget, PointTarget
@@ -65,7 +65,7 @@ __all__ = ['warp_matrix', 'synthetic_warps', 'rotation_matrix', 'compose_matrice
            'train_pipeline', 'valid_pipeline', 'keep_decoder', 'release_decoders', 'cpu_codecs', 'decoded', 'default_threads', 'gpu_decoder_cost', 'check_image', 'cache_dir', 'check_images', 'cached_file_values',
            'RandomBoxCrop', 'ItemStep', 'GeometryStep', 'ItemFlip', 'ImageRecipe', 'fastai_recipe', 'keyword_recipe', 'geometry_outputs',
            'ImageBoxes', 'read_coco', 'read_voc', 'to_fastai', 'from_fastai', 'check_arg', 'check_settings',
-           'FULL_CHECK_LIMIT', 'n_batches', 'batches_per_rank', 'priority_stream', 'DaliNormalize', 'default_drain_limit', 'paced', 'first_step', 'start_gpu_libraries', 'gpu_libraries_started', 'Target',
+           'FULL_CHECK_LIMIT', 'n_batches', 'batches_per_rank', 'priority_stream', 'DaliNormalize', 'default_drain_limit', 'paced', 'first_step', 'start_gpu_libraries', 'gpu_libraries_started', 'read_ahead_on_thread', 'reads_ahead_done', 'Target',
            'ImageItems', 'usable_items', 'DaliEpoch', 'PipelineSource', 'FileFeed', 'FedSource', 'to_device_async', 'ranks_max', 'BatchDisplay', 'DaliDataLoader', 'BoxTarget', 'BoxLabelTarget',
            'PointTarget', 'prepare_masks', 'mask_values', 'check_mask_values', 'MaskTarget', 'shard_index',
            'write_shards', 'folder_shards', 'check_shards', 'parse_label', 'ShardItems', 'tfrecord_index',

@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_leaves, tree_map
 from fastcore.basics import store_attr
 from fastai.torch_core import rank_distrib
-from .epoch import ranks_max, gpu_libraries_started
+from .epoch import ranks_max, gpu_libraries_started, reads_ahead_done
 
 # %% ../nbs/07e0_capture.ipynb #0b96f5fa
 RACE_FROM = 200  # `FastStep()` races in fits of this many training batches or more; shorter ones are captured without racing
@@ -182,7 +182,7 @@ class GraphCapture:
     def _capture(self, xs:tuple, key:tuple):
         "Capture with the shapes of `xs`; the warm-up passes leave the model's buffers (BatchNorm statistics) as they were"
         m = self.model
-        gpu_libraries_started()  # the loaders' thread that starts them (`start_gpu_libraries`) must not run beside a capture
+        gpu_libraries_started(); reads_ahead_done()  # the loaders' threads working ahead must not run beside a capture
         saved = [(b, b.detach().clone()) for b in m.buffers()]
         self.remove()
         self._let_the_last_graph_go()
@@ -302,7 +302,7 @@ class ForwardCapture:
 
     def _capture(self, xs:tuple, key:tuple):
         "Capture the forward with the shapes of `xs`, under the autocast it runs under (its cast cache off: casts are captured)"
-        gpu_libraries_started()  # the loaders' thread that starts them (`start_gpu_libraries`) must not run beside a capture
+        gpu_libraries_started(); reads_ahead_done()  # the loaders' threads working ahead must not run beside a capture
         static,graph = tuple(x.clone() for x in xs),torch.cuda.CUDAGraph()
         with _capturing(self, xs[0].device, "the model's inference forward"), torch.autocast(
                 'cuda', dtype=key[2], enabled=key[1], cache_enabled=False):

@@ -73,6 +73,8 @@ class DaliDataLoaders(DataLoaders):
         # its first batches made while the learner is built, not at the first fit; not a GPU decoder's build (the JPEG
         # decoder's start, seconds), which a pretrained model's `Normalize` would make again
         if _starts_ahead(train_dl.device) and train_dl.decoding == 'cpu': train_dl.prepare()
+        # and validation's first pass, kept on the GPU for the fits' validations (`read_ahead`), on DALI's CPU threads too
+        if _starts_ahead(valid_dl.device) and valid_dl.decoding == 'cpu': valid_dl.read_ahead()
         return dls
 
     @classmethod

@@ -6,9 +6,9 @@ Docs: https://dali-fastai.github.io/dali_fastai/epoch.html.md"""
 
 # %% auto #0
 __all__ = ['PACE_BATCHES', 'n_batches', 'shard_sizes', 'batches_per_rank', 'interleaved_order', 'as_device', 'dali_device_id',
-           'priority_stream', 'first_step', 'start_gpu_libraries', 'gpu_libraries_started', 'paced', 'DaliEpoch',
-           'default_drain_limit', 'ranks_max', 'derived_seed', 'PipelineSource', 'FileFeed', 'FedSource',
-           'to_device_async']
+           'priority_stream', 'first_step', 'start_gpu_libraries', 'gpu_libraries_started', 'read_ahead_on_thread',
+           'reads_ahead_done', 'paced', 'DaliEpoch', 'default_drain_limit', 'ranks_max', 'derived_seed',
+           'PipelineSource', 'FileFeed', 'FedSource', 'to_device_async']
 
 # %% ../nbs/04_epoch.ipynb #42a6f309
 import base64, functools, os, threading, time, weakref
@@ -145,6 +145,22 @@ def start_gpu_libraries(device:torch.device, # a CUDA device
 def gpu_libraries_started():
     "Wait for `start_gpu_libraries`' threads to end (a CUDA graph's capture must not run beside another thread's GPU work)"
     for t in list(_STARTING.values()): t.join()
+
+_READING = []  # the threads reading a validation pass ahead (`DaliDataLoader.read_ahead`)
+
+def read_ahead_on_thread(f:Callable, # what the thread runs: a loader's whole pass
+                         name:str): # the thread's name
+    "Run `f` on a thread that `reads_ahead_done` waits for"
+    t = threading.Thread(target=f, name=name)
+    _READING.append(t)
+    t.start()
+
+def reads_ahead_done():
+    "Wait for the threads reading ahead: a pipeline runs one pass at a time, and a capture runs beside no other thread's GPU work"
+    if threading.current_thread() in _READING: return  # a thread reading ahead waits for none (two would wait for each other)
+    for t in list(_READING):
+        t.join()
+        if t in _READING: _READING.remove(t)
 
 # %% ../nbs/04_epoch.ipynb #30b0ce31
 def _first_read(source, # the `PipelineSource` of a build whose first batch was just read (None: freed meanwhile)

@@ -25,7 +25,7 @@ from dali_fastai.items import (ImageItems, usable_items, FULL_CHECK_LIMIT, _is_d
     _decode_failure)
 from .epoch import (n_batches, batches_per_rank, interleaved_order, as_device, dali_device_id,
     priority_stream, DaliEpoch, PipelineSource, derived_seed, _RANK_STREAM, to_device_async, default_drain_limit,
-    _same, _fed_source, FedSource, ranks_max, paced)
+    _same, _fed_source, FedSource, ranks_max, paced, read_ahead_on_thread, reads_ahead_done)
 from dali_fastai.pipeline import (classification_pipeline, augment, keep_decoder, cpu_codecs, default_threads, HW_DECODER_LOAD,
     gpu_decoder_cost)
 from .recipe import ImageRecipe, geometry_outputs
@@ -52,6 +52,12 @@ class _Keep:
         if self.held > self.budget: return False
         self.batches.append(tuple(t.clone() for t in b))
         return True
+
+def _pass_quietly(dl):
+    "A whole pass of `dl`, its batches left to what keeps them; what goes wrong (a bad file) is met again, and said, at the loader's own pass"
+    try:
+        for _ in dl: pass
+    except Exception: pass
 
 # %% ../nbs/05_loader.ipynb #8d43dbd3
 AUG_OPTIONS = {'area', 'ratio', 'n_warps'} | set(inspect.signature(augment).parameters) - {'images', 'size'}
@@ -278,6 +284,7 @@ class DaliDataLoader(BatchDisplay):
 
     def close(self):
         "Free the DALI pipeline and its memory (for the loaders sharing it too); the next `iter()` builds a new one"
+        reads_ahead_done()  # not under a pass reading ahead
         self._source.close()
 
     def prepare(self):
@@ -288,6 +295,16 @@ class DaliDataLoader(BatchDisplay):
         if self._fed or self._source.reading or self._source.resume is not None: return
         self._iterator()
         self._source.start_runs()
+
+    def read_ahead(self):
+        "Read this validation loader's first pass on a thread and keep it (`keep_batches`), while the caller goes on (its learner being built)"
+        reads_ahead_done()  # one at a time over a pipeline
+        if not self._keeps() or self._kept() is not None: return
+        # a loader of its own over the same pipeline and items, alone in a pool of its own: a settings change made to this one
+        # meanwhile (`vision_learner`'s `Normalize`) gives this one another pipeline, and leaves the pass kept to the old one
+        ahead = self.new()
+        ahead._pool,ahead._said_over = [(ahead._pool_key(), self._source)],True  # a pass too large to keep is said by this loader's
+        read_ahead_on_thread(partial(_pass_quietly, ahead), 'dali_fastai: validation read ahead')
 
     def _rebuilt(self):
         "After a change of settings (device, normalization): a fed loader reads through the pool's pipeline for its new settings (and keeps), others detach"
@@ -323,8 +340,9 @@ class DaliDataLoader(BatchDisplay):
         "The pipeline in `fed_by`'s pool for this loader's settings as they are now (its split included): one a kind of pass"
         # keyed by the outputs too: an unlabelled `test_dl` of a segmentation model reads no masks, so its pipeline gives
         # fewer outputs than the validation loader's, which it cannot share
-        me = {**self._settings(), 'outputs': tuple(self._source.names)}
-        return _fed_source(self._pool, me, self._source.names, self.bs, self._keep)
+        return _fed_source(self._pool, self._pool_key(), self._source.names, self.bs, self._keep)
+
+    def _pool_key(self)->dict: return {**self._settings(), 'outputs': tuple(self._source.names)}
 
     def shard(self, rank:int, # this process's rank, `0 .. world_size-1`
               world_size:int, # number of processes, each reading its own shard
@@ -396,6 +414,7 @@ class DaliDataLoader(BatchDisplay):
 
     def _batches(self):
         "A whole, fresh epoch: start it, read DALI's outputs, make each a fastai batch, run what `after_batch` holds"
+        reads_ahead_done()  # a pass read ahead on a thread (`read_ahead`) ends first: it may be this one, kept
         if (kept := self._kept()) is not None: yield from self._replay(kept); return
         outputs = self._read(self._start_epoch())  # only `_read` holds the epoch: on a failure it frees the dead pipeline
         after = _work_after(self.after_batch)  # the transforms after DALI are read once an epoch, as its split is

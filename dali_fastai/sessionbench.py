@@ -17,7 +17,7 @@ from fastai.callback.core import Callback
 from fastai.callback.schedule import lr_find  # noqa: F401 (adds Learner.lr_find and Learner.fine_tune)
 from fastai.data.transforms import get_image_files
 from fastai.torch_core import set_seed
-from .epoch import as_device
+from .epoch import as_device, reads_ahead_done
 from .data import DaliDataLoaders
 from .faststep import FastStep
 from .measure import machine_info
@@ -119,6 +119,7 @@ def session_run(variant:str, # one of `VARIANTS`
     set_seed(seed, reproducible=False)
     dls = _loaders(variant, db, src, bs, device, seed, workers, loader_settings or {})
     learn = t.learner(dls, _callbacks(variant), metric=True, size=size)
+    reads_ahead_done()  # validation's first pass, read ahead on a GPU, is the loaders' work: the next phase's first batch waits for it anyway
     phases['loaders + learner'] = clock() - start
     files = sorted(get_image_files(Path(src)/'valid'))[:n_predict]
     epochs_cb,spent = FitEpochs(),{}

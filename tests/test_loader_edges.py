@@ -592,6 +592,40 @@ def test_validation_moved_to_another_device_stays_fed(files, monkeypatch):
     assert dls.valid._fed and dls.valid._source is old, "the pool's pipeline for the CPU again"
 
 
+def test_a_pass_read_ahead_is_kept_and_served(files):
+    "`read_ahead` (on a thread, while the learner is built) keeps validation's first pass: the loader's first pass reads no DALI, and is what DALI reads"
+    dls = _index_dls(files)
+    dls.valid.read_ahead()
+    dls.valid._read = _no_dali  # the thread reads through a loader of its own
+    valid = _copies(dls.valid)
+    assert _same(valid, _copies(_index_dls(files, val_keep_batches=False).valid))
+    assert dls.test_dl(files[40:43])._source is dls.valid._source, "the same pipeline as predict's"
+
+
+def test_a_normalize_added_while_reading_ahead_is_read_anew(files):
+    "A setting changed while the pass is read ahead (`vision_learner`'s `Normalize`): the loader reads and keeps its pass anew, normalized"
+    from fastai.data.transforms import Normalize
+    norm = lambda: Normalize.from_stats((0.4, 0.5, 0.6), (0.2, 0.25, 0.3))
+    dls = _index_dls(files)
+    dls.valid.read_ahead()
+    dls.add_tfms([norm()], 'after_batch')
+    fresh = _index_dls(files, val_keep_batches=False)
+    fresh.add_tfms([norm()], 'after_batch')
+    assert _same(_copies(dls.valid), _copies(fresh.valid)) and dls.valid._source.kept is not None
+
+
+def test_a_bad_file_met_reading_ahead_is_said_at_the_loaders_pass(files, tmp_path):
+    "The thread reading ahead says nothing of a file DALI cannot decode: the loader's own pass names it, as without reading ahead"
+    from test_files import middle_garbage
+    valid = [tmp_path/f.name for f in files[21:29]]
+    for f,g in zip(files[21:29], valid): g.write_bytes(f.read_bytes())
+    valid[5] = middle_garbage(valid[5].with_suffix('.jpg'))  # a JPEG: its stem still gives its label
+    dls = DaliDataLoaders.from_items('.', index_items(files[:21]), index_items(valid), bs=4, size=8, device='cpu',
+                                     check_files=False, val_keep_batches=True)
+    dls.valid.read_ahead()
+    with pytest.raises(ValueError, match=valid[5].name): list(dls.valid)
+
+
 def test_a_pass_over_the_budget_is_not_kept_and_says_so_once(files, monkeypatch):
     "A pass holding more than `KEEP_SHARE` of the device's memory is read through DALI each time, with one warning"
     import dali_fastai.loader as loader_module
@@ -615,6 +649,15 @@ def test_on_a_gpu_validation_keeps_its_pass_by_default(files):
     assert _same(_copies(dls.valid), valid)
     read = _index_dls(files, 'cuda', val_keep_batches=False)
     assert _same(_copies(read.valid), valid) and read.valid._source.kept is None, "the same batches, read through DALI"
+
+
+@needs_gpu("loaders made on a GPU read validation's first pass ahead")
+def test_on_a_gpu_the_loaders_read_validation_ahead(files):
+    "`from_items` on a GPU reads validation's first pass on a thread (`read_ahead`): the first pass reads no DALI, and is what DALI reads"
+    dls = _index_dls(files, 'cuda', val_keep_batches=None)  # the default
+    dls.valid._read = _no_dali
+    valid = _copies(dls.valid)
+    assert valid[0][0].device.type == 'cuda' and _same(valid, _copies(_index_dls(files, 'cuda', val_keep_batches=False).valid))
 
 
 @needs_gpu("loaders made on the CPU and moved to a GPU")
