@@ -9,6 +9,7 @@ __all__ = ['label_targets', 'dblock_items', 'box_items', 'image_file', 'InMemory
 
 # %% ../nbs/02c_blocks.ipynb #ae46ba22
 import os, tempfile
+from collections.abc import Callable
 from pathlib import Path
 import pandas as pd
 from PIL import Image
@@ -137,6 +138,24 @@ def _source_items(dblock:DataBlock, source)->list:
                          f"{'None' if items is None else 'no items'}; check the path and folder names, and that get_items returns the items")
     return items
 
+def _calls(fs:list, # transforms, in fastai's `Pipeline` order
+           split_idx:int|None=None)->Pipeline|Callable: # the split they run for
+    "`Pipeline(fs)`, or the item itself where `fs` is empty (the input's getter, most often): a `Pipeline` call costs microseconds an item"
+    return Pipeline(fs, split_idx=split_idx) if len(fs) else noop
+
+def _encoded(getter:Pipeline|Callable, # a target block's getters
+             types:Pipeline, # and its type transforms (set up on the training split)
+             rows:list, # a split's items
+            )->list: # each item's encoded target
+    "What fastai's `TfmdLists` gives each item, `types(getter(item))`, the type transforms run once a distinct hashable value (a label, not a list of boxes)"
+    done = {}
+    def encode(v):
+        try: key = (type(v), v); hash(key)
+        except TypeError: return types(v)
+        if key not in done: done[key] = types(v)
+        return done[key]  # stacked into one tensor, or one a box target (`_block_targets`), never changed in place
+    return [encode(getter(r)) for r in rows]
+
 def dblock_items(dblock:DataBlock, # a fastai `DataBlock`: one `ImageBlock` input, then any targets
                  source, # what its `get_items` reads
                  void_code:int|None=None, # masks: the value padding takes, for losses to ignore (see `MaskTarget`)
@@ -152,7 +171,7 @@ def dblock_items(dblock:DataBlock, # a fastai `DataBlock`: one `ImageBlock` inpu
     splits = (dblock.splitter or RandomSplitter())(items)
     if len(splits) < 2: raise ValueError(f"the DataBlock's splitter gave {len(splits)} split(s): DaliDataLoaders needs a training and a validation set")
     tfms = dblock._combine_type_tfms()
-    getters = [Pipeline(list(t)[:len(t) - len(L(tt))]) for t,tt in zip(tfms, dblock.type_tfms)]  # what comes before the type transforms
+    getters = [_calls(list(t)[:len(t) - len(L(tt))]) for t,tt in zip(tfms, dblock.type_tfms)]  # what comes before the type transforms
     values = [k for k,kind in enumerate(kinds, 1) if kind == 'value']
     tls = [TfmdLists(items, tfms[k], splits=splits) for k in values]  # set up on the training split, as fastai does
     # a `Target` keeps the type transforms (they encode raw targets and decode batches), not the getters before them
@@ -163,8 +182,9 @@ def dblock_items(dblock:DataBlock, # a fastai `DataBlock`: one `ImageBlock` inpu
                               files, codes, void_code, mask_colours) for k,kind in enumerate(kinds, 1) if kind == 'mask'}
     res = []
     for i,split in enumerate(splits[:2]):
-        subs = [tl.subset(i) for tl in tls]
-        targets = dict(zip(values, _block_targets([[s[j] for j in range(len(s))] for s in subs], types, files[i])))
+        rows = [_row(items, j) for j in split]
+        encoded = [_encoded(_calls(getters[k].fs, i), Pipeline(t.fs, split_idx=i), rows) for k,t in zip(values, types)]
+        targets = dict(zip(values, _block_targets(encoded, types, files[i])))
         targets.update({k: m[i] for k,m in masks.items()})
         res.append(ImageItems(files[i], targets=[targets[k] for k in sorted(targets)]))
     return tuple(res)
@@ -204,7 +224,8 @@ def _row(items, i):
     return items.iloc[i] if hasattr(items, 'iloc') else items[i]
 
 def _image_path(x, i:int, getter:str='get_x')->Path:
-    if isinstance(x, (str, Path)): return Path(x)
+    if isinstance(x, Path): return x
+    if isinstance(x, str): return Path(x)
     raise TypeError(f"item {i}: the DataBlock's {getter} gave a {type(x).__name__}, not an image file path: DaliDataLoaders reads "
                     f"images and masks from files (make {getter} return the path)")
 

@@ -216,3 +216,13 @@ def test_keypoints_reach_a_learner(tiny):
     assert (preds.shape, targs.shape) == ((2, 4), (2, 2, 2)) and preds.abs().max() <= 1
     with learn.no_bar(): pts,_,_ = learn.predict(dls.valid.items.files[0])
     assert isinstance(pts, TensorPoint) and pts.shape == (2, 2)
+
+
+def test_a_target_value_is_encoded_once_as_it_is_typed():
+    "`_encoded` runs the type transforms once a distinct hashable value of a type (1 and 1.0 apart), and each unhashable one (a list of labels) every time"
+    from dali_fastai.blocks import _encoded
+    seen = []
+    def types(v): seen.append(v); return torch.tensor(v)
+    out = _encoded(lambda r: r['y'], types, [{'y': 1}, {'y': 1.0}, {'y': 1}, {'y': [1, 2]}, {'y': [1, 2]}])
+    assert seen == [1, 1.0, [1, 2], [1, 2]] and [type(v) for v in seen[:2]] == [int, float]
+    assert out[0] is out[2] and out[0].dtype == torch.long and out[1].dtype == torch.float32
