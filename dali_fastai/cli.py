@@ -149,6 +149,8 @@ def parser()->argparse.ArgumentParser:
                    "take boxes or masks); needs pip install 'dali-fastai[bench]'")
     b.add_argument('--epochs', type=int, default=None, help="--task accuracy: epochs of each run (default: 5); session: "
                    "fine_tune's (default: 3)")
+    b.add_argument('--seeds', default='0', help="--task session: seeds, comma-separated: a session each a variant, the "
+                   "table their medians (default: 0; the README's row: 0,1)")
     b.add_argument('--size', type=int, default=None, help="image side in pixels (default: 224; detection, segmentation: 128)")
     b.add_argument('--bs', type=int, default=None, help="batch size (default: 256; detection, segmentation, accuracy: 64, fastai's default)")
     b.add_argument('--device', choices=['cpu', 'gpu'], default=None, help="default: the GPU if one is visible")
@@ -204,12 +206,17 @@ def _saved(res, out, name:str):
     Path(out).mkdir(parents=True, exist_ok=True); (Path(out)/name).write_text(json.dumps(res, indent=1))
     return res
 
+def _seeds(seeds:str)->tuple:
+    "The seeds named by --seeds, comma-separated integers"
+    try: return tuple(int(s) for s in seeds.split(','))
+    except ValueError: raise ValueError(f"seeds={seeds!r}: the seeds are whole numbers separated by commas, e.g. 0,1") from None
+
 def _names(archs:str|None, default:str)->tuple:
     "The models named by --archs, comma-separated ('' for none), or by `default`"
     return tuple(a for a in (archs if archs is not None else default).split(',') if a)
 
 def _bench(task:str, path, n_per_class:int, size:int|None, bs:int|None, archs:str|None, fastai_loader:bool, out:str,
-           scale:bool=False, sizes:str='', epochs:int|None=None, peers:bool=False, **kwargs):
+           scale:bool=False, sizes:str='', epochs:int|None=None, peers:bool=False, seeds:str='0', **kwargs):
     "`bench`, `detection_bench`, `segmentation_bench`, `shards_bench`, `time_to_accuracy`, `step_bench`, `capture_bench` or `scale_bench`, each with its own defaults for what the command line leaves unset"
     from dali_fastai.measure import bench_images
     from dali_fastai.bench import bench
@@ -220,7 +227,8 @@ def _bench(task:str, path, n_per_class:int, size:int|None, bs:int|None, archs:st
         from dali_fastai.sessionbench import session_bench, VARIANTS
         for k in ('n_batches', 'warmup', 'passes'): kwargs.pop(k, None)
         variants = VARIANTS if fastai_loader else VARIANTS[1:]
-        return _saved(session_bench(path, variants, size=size or 224, bs=bs or 64, epochs=epochs or 3, **kwargs), out, 'session.json')
+        return _saved(session_bench(path, variants, _seeds(seeds), size=size or 224, bs=bs or 64, epochs=epochs or 3, **kwargs),
+                      out, 'session.json')
     if task == 'accuracy':
         for k in ('n_batches', 'warmup', 'passes'): kwargs.pop(k, None)
         return _saved(time_to_accuracy(path, (archs or 'resnet18').split(',')[0], epochs or 5, size=size or 224, bs=bs or 64,

@@ -471,3 +471,16 @@ def test_train_on_two_gpus_with_the_graph():
     assert len(done) == 1 and ', 2 processes) in ' in done[0] and 'cuda' in done[0], r.stdout
     assert 'FastStep(graph=True):' not in r.stderr, r.stderr[-3000:]
     assert float(done[0].split('accuracy ')[1].split()[0]) > 0.3, done[0]  # 10 classes: chance is 0.1
+
+
+def test_session_bench_runs_the_seeds_asked_for(monkeypatch, tmp_path):
+    "`bench --task session --seeds 0,1` runs a session a seed and variant (the README's row); a bad list names the flag"
+    import dali_fastai.sessionbench as sessionbench
+    asked = []
+    monkeypatch.setattr(sessionbench, 'session_bench', lambda root, variants, seeds, **kw: asked.append((variants, seeds, kw)) or {})
+    cli.main(['bench', '--task', 'session', '--seeds', '0,1', '--device', 'cpu', '--out', str(tmp_path)])
+    assert asked[-1][1] == (0, 1) and asked[-1][0] == sessionbench.VARIANTS and asked[-1][2]['epochs'] == 3
+    cli.main(['bench', '--task', 'session', '--device', 'cpu', '--out', str(tmp_path)])
+    assert asked[-1][1] == (0,)
+    with pytest.raises(SystemExit, match=r"--seeds '0,x': the seeds are whole numbers separated by commas, e\.g\. 0,1"):
+        cli.main(['bench', '--task', 'session', '--seeds', '0,x', '--device', 'cpu', '--out', str(tmp_path)])
