@@ -257,6 +257,10 @@ MUTANTS = [
                "a validation loader on the CPU, not asked to, keeps its passes in the machine's memory"),
     ('capture', "    def __reduce__(self): return (type(self), (self.warn,), {'model': self.model})", "    pass",
                 "`export` after a validation on a GPU fails: FastStep's inference graphs hold a weak reference, which pickle refuses"),
+    ('loader', "        reads_ahead_done()  # a pass read ahead on a thread", "        pass  #",
+               "a pass starts beside the thread reading the same pipeline ahead, and reads DALI for a pass being kept"),
+    ('blocks', "        if key not in done: done[key] = types(v)", "        done[key] = types(v)",
+               "dblock_items runs the type transforms for every item again, not once a distinct value"),
 ]
 
 FAST = ['tests/test_defaults.py', 'tests/test_augment_stats.py']
@@ -280,6 +284,7 @@ SELECTIONS = {  # per module: pytest arguments, relative to the repository root
     'items': ['tests/test_coco_voc_loaders.py'],
     'faststep': ['tests/test_faststep.py', 'tests/test_faststep_ddp.py'],
     'fastopt': ['tests/test_faststep.py'],
+    'blocks': ['tests/test_dblock.py'],
 }
 SELECTIONS['epoch'] = SELECTIONS['loader'] + ['tests/test_shards.py']  # the batch arithmetic and `DaliEpoch` keep the loader's promises
 ALL_TESTS = ['tests', '--ignore', 'tests/test_notebooks.py']
