@@ -149,11 +149,13 @@ def gpu_libraries_started():
 _READING = []  # the threads reading a validation pass ahead (`DaliDataLoader.read_ahead`)
 
 def read_ahead_on_thread(f:Callable, # what the thread runs: a loader's whole pass
-                         name:str): # the thread's name
-    "Run `f` on a thread that `reads_ahead_done` waits for"
+                         name:str, # the thread's name
+                        )->threading.Thread:
+    "Run `f` on a thread that `reads_ahead_done` waits for; the thread"
     t = threading.Thread(target=f, name=name)
     _READING.append(t)
     t.start()
+    return t
 
 def reads_ahead_done():
     "Wait for the threads reading ahead: a pipeline runs one pass at a time, and a capture runs beside no other thread's GPU work"

@@ -8,7 +8,7 @@ Docs: https://dali-fastai.github.io/dali_fastai/loader.html.md"""
 __all__ = ['AUG_OPTIONS', 'TRIAL_MARGIN', 'KEEP_SHARE', 'DaliDataLoader']
 
 # %% ../nbs/05_loader.ipynb #20a7e3fb
-import copy, inspect, math, os, warnings
+import copy, inspect, math, os, warnings, weakref
 from contextlib import nullcontext
 from functools import partial
 import numpy as np
@@ -52,6 +52,8 @@ class _Keep:
         if self.held > self.budget: return False
         self.batches.append(tuple(t.clone() for t in b))
         return True
+
+_READ_AHEAD = weakref.WeakKeyDictionary()  # a pipeline's `PipelineSource` → the thread reading a pass through it ahead (`read_ahead`)
 
 def _pass_quietly(dl):
     "A whole pass of `dl`, its batches left to what keeps them; what goes wrong (a bad file) is met again, and said, at the loader's own pass"
@@ -123,6 +125,7 @@ class DaliDataLoader(BatchDisplay):
         self._source = PipelineSource(['images', 'index'] + (['window', 'matrix'] if self._geometric else []) +
                                       [f'side{k}_{n}' for k,t in enumerate(self._sides) for n in t.side_names])
         self._fed,self._epoch_no,self._taken_at_resume,self._peeks,self._ahead,self._said_over = False,0,0,0,False,False
+        self._reads_ahead = False  # `read_ahead` was asked for: a setting changed before the first pass reads ahead anew
         self._pool,self._keep = None,4  # `fed_by`'s
         self.rank,self.world_size = 0,1
 
@@ -298,19 +301,23 @@ class DaliDataLoader(BatchDisplay):
 
     def read_ahead(self):
         "Read this validation loader's first pass on a thread and keep it (`keep_batches`), while the caller goes on (its learner being built)"
-        reads_ahead_done()  # one at a time over a pipeline
+        self._reads_ahead = True
         if not self._keeps() or self._kept() is not None: return
+        source = self._source
+        if (t := _READ_AHEAD.get(source)) is not None and t.is_alive(): return  # being read ahead: one pass at a time over a pipeline
         # a loader of its own over the same pipeline and items, alone in a pool of its own: a settings change made to this one
-        # meanwhile (`vision_learner`'s `Normalize`) gives this one another pipeline, and leaves the pass kept to the old one
+        # meanwhile (`vision_learner`'s `Normalize`) gives this one another pipeline, read ahead anew (`_rebuilt`), and leaves
+        # the pass kept to the old one
         ahead = self.new()
-        ahead._pool,ahead._said_over = [(ahead._pool_key(), self._source)],True  # a pass too large to keep is said by this loader's
-        read_ahead_on_thread(partial(_pass_quietly, ahead), 'dali_fastai: validation read ahead')
+        ahead._pool,ahead._said_over = [(ahead._pool_key(), source)],True  # a pass too large to keep is said by this loader's
+        _READ_AHEAD[source] = read_ahead_on_thread(partial(_pass_quietly, ahead), 'dali_fastai: validation read ahead')
 
     def _rebuilt(self):
         "After a change of settings (device, normalization): a fed loader reads through the pool's pipeline for its new settings (and keeps), others detach"
         fed = self._fed
         self._detach()
         if fed and self._pool is not None: self.fed_by(self._pool, self._keep)
+        if self._reads_ahead: self.read_ahead()  # the pass for the new settings, as the loaders read the first one
 
     def _detach(self, keep_choice:bool=True, # keep `decode_on='auto'`'s choice and the waits it weighed
                ):

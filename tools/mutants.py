@@ -261,6 +261,8 @@ MUTANTS = [
                "a pass starts beside the thread reading the same pipeline ahead, and reads DALI for a pass being kept"),
     ('blocks', "        if key not in done: done[key] = types(v)", "        done[key] = types(v)",
                "dblock_items runs the type transforms for every item again, not once a distinct value"),
+    ('loader', "        if self._reads_ahead: self.read_ahead()  # the pass for the new settings", "        pass  #",
+               "after a pretrained model's Normalize the first fit's first validation reads its pass, not read ahead"),
 ]
 
 FAST = ['tests/test_defaults.py', 'tests/test_augment_stats.py']
