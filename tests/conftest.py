@@ -15,6 +15,35 @@ if _workers > 1:
     for _var in ('OMP_NUM_THREADS', 'MKL_NUM_THREADS', 'OPENBLAS_NUM_THREADS'): os.environ.setdefault(_var, _threads)
 
 
+# Test modules whose tests share a costly module fixture (the docs pages, a trained learner): one worker runs them all
+ONE_WORKER = ('test_docs.py', 'test_fastai_api.py')
+
+
+@pytest.hookimpl(optionalhook=True)  # xdist's hook: absent under `-p no:xdist`
+def pytest_xdist_make_scheduler(config, log):
+    """`-n N` hands tests out one at a time, the modules of `ONE_WORKER` each whole to one worker (which makes their
+    fixture once). xdist's default sends chunks of tests, and the chunk sent last kept one of the CI box's two workers
+    busy for minutes after the other had run out. `--dist` given explicitly is left alone."""
+    if config.getvalue('dist') != 'load': return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class OneAtATime(LoadScopeScheduling):
+        "xdist's `loadscope` with a test as the unit of work, or a whole module for `ONE_WORKER`'s"
+        def _split_scope(self, nodeid:str)->str:
+            module = nodeid.split('::')[0]
+            return module if module.rsplit('/', 1)[-1] in ONE_WORKER else nodeid
+
+    return OneAtATime(config, log)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Whole notebooks first, the last-numbered first of all (the benchmarks, the command line and the index train
+    models): they are the longest tests, and a long one handed out last keeps one worker busy after the other is done"""
+    nbs = [it for it in items if it.nodeid.startswith('tests/test_notebooks.py::test_notebook[')]
+    ids = {id(it) for it in nbs}
+    items[:] = nbs[::-1] + [it for it in items if id(it) not in ids]
+
+
 def pytest_configure(config):
     config.addinivalue_line('markers', 'gpu: needs a GPU; `make gpu-test` runs these (helpers.needs_gpu)')
     config.addinivalue_line('markers', 'gpu_alone: reads the whole GPU\'s free memory, which other processes move: '
