@@ -365,6 +365,17 @@ def test_bench_accuracy_at_fastais_batch_size(tmp_path, monkeypatch):
     assert [k['bs'] for k in calls] == [64, 128]
 
 
+def test_bench_scale_reaches_scale_bench(tmp_path, monkeypatch):
+    "`bench --scale [--sizes A,B] PATH --out OUT` runs `scale_bench` on those sizes (default: 10000,100000,1280000) under PATH and writes its rows to OUT/scale.json (its measurements, each in a fresh process: nbs/08d_taskbench.ipynb)"
+    import dali_fastai.taskbench as tb
+    calls,rows = [],[dict(n=1000, how='from_webdataset', state='cold', seconds=0.5, rss_gib=0.9, added_gib=0., items=2000)]
+    monkeypatch.setattr(tb, 'scale_bench', lambda *a, **k: calls.append((a, k)) or rows)
+    cli.main(['bench', '--scale', '--sizes', '1000,20000', str(tmp_path/'scale'), '--out', str(tmp_path/'out')])
+    cli.main(['bench', '--scale', str(tmp_path/'scale'), '--out', str(tmp_path/'out')])
+    assert calls == [(((1000, 20000), str(tmp_path/'scale')), {}), (((10_000, 100_000, 1_280_000), str(tmp_path/'scale')), {})]
+    assert json.loads((tmp_path/'out'/'scale.json').read_text()) == rows
+
+
 def test_shards_name_every_bad_image_and_skip_them(tmp_path, capsys):
     "`dali-fastai shards` names all the files it cannot write (not the first alone), before writing; --skip-bad leaves them out"
     data = image_folder(tmp_path/'data')
