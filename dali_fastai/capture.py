@@ -260,7 +260,10 @@ class ForwardCapture:
 
     def install(self, model):
         "Replay `model`'s inference forwards until `remove` (the graphs of another model, or of moved parameters, go at its first forward)"
-        if isinstance(model, (DistributedDataParallel, torch.nn.DataParallel)): return  # several GPUs' forward: not captured here
+        # under DDP the module inside: a forward with no gradient asks nothing of the other ranks (DDP's own work around it,
+        # the inputs moved, rank 0's buffers sent in place with `broadcast_buffers`, runs uncaptured before the replay)
+        if isinstance(model, DistributedDataParallel): model = model.module
+        if isinstance(model, torch.nn.DataParallel): return  # its replicas are copies made at every call: not captured here
         if next((p.is_cuda for p in model.parameters()), False) is False or 'forward' in vars(model): return
         model.forward,self.model,self.modes = self.forward,model,False  # checked at its first forward (`_checked`)
 

@@ -34,7 +34,7 @@ from dali_fastai.faststep import FastStep
 class Record(Callback):
     "The items of every batch, by phase and epoch"
     order = 100
-    def before_fit(self): self.seen,self.graphs,self.forward_sync,self.valid_buffers = {'train': [], 'valid': []},None,[],[]
+    def before_fit(self): self.seen,self.graphs,self.forward_sync,self.valid_buffers,self.forwards = {'train': [], 'valid': []},None,[],[],[]
     def before_validate(self):  # the buffers (BatchNorm's statistics) each rank validates with
         self.valid_buffers.append(sum(b.detach().double().sum().item() for b in self.learn.model.buffers()))
     def before_epoch(self): self.seen['train'].append([]); self.seen['valid'].append([])
@@ -44,6 +44,10 @@ class Record(Callback):
         cap = next((cb.capture for cb in self.learn.cbs if isinstance(cb, FastStep) and cb.capture), None)
         self.graphs = None if cap is None else dict(n=len(cap.graphs), failed=cap.failed, race=cap.race and cap.race.winner)
         self.forward_sync.append(getattr(self.learn.model, 'broadcast_buffers', None))  # DDP's broadcast of the buffers at each forward
+    def after_validate(self):
+        "The inference forwards `FastStep(graph=True)` replayed so far, and the model they went through (DDP's wrapping, in a fit)"
+        fs = next((cb for cb in self.learn.cbs if isinstance(cb, FastStep) and cb.forwards), None)
+        if fs: self.forwards.append(dict(replays=fs.forwards.replays, failed=fs.forwards.failed, model=type(self.learn.model).__name__))
 
 
 def main():
@@ -79,7 +83,7 @@ def main():
     kw = dict(sync_bn=False, cpu=True) if a.device == 'cpu' else dict(sync_bn=False) if a.no_sync_bn else {}
     with learn.distrib_ctx(**kw):
         with learn.no_bar(): learn.fit(2, 1e-2)
-        graphs,forward_sync,valid_buffers = rec.graphs,rec.forward_sync,rec.valid_buffers  # `get_preds` starts the callbacks' `before_fit` again
+        graphs,forward_sync,valid_buffers,forwards = rec.graphs,rec.forward_sync,rec.valid_buffers,rec.forwards  # `get_preds` starts the callbacks' `before_fit` again
         seen,ddp_valid = rec.seen,learn.recorder.values[-1][1:]
         lens = [len(learn.dls.train), len(learn.dls.valid)]
         with learn.no_bar(): preds,targs = learn.get_preds()
@@ -90,7 +94,7 @@ def main():
     whole = learn.validate()  # outside the context: one process, the whole validation set
     weights = sum(p.detach().double().sum().item() for p in learn.model.parameters())
     buffers = sum(b.detach().double().sum().item() for b in learn.model.buffers())
-    res = dict(rank=rank, world=world, graphs=graphs, weights=weights, buffers=buffers, forward_sync=forward_sync, valid_buffers=valid_buffers, lens=lens, opt=type(learn.opt).__name__, seen=seen, targs=targs.tolist(), n_preds=len(preds),
+    res = dict(rank=rank, world=world, graphs=graphs, forwards=forwards, weights=weights, buffers=buffers, forward_sync=forward_sync, valid_buffers=valid_buffers, lens=lens, opt=type(learn.opt).__name__, seen=seen, targs=targs.tolist(), n_preds=len(preds),
                ddp_valid=[float(v) for v in ddp_valid], whole_valid=[float(v) for v in whole],
                restored=restored, seed=dls.train.seed, device=str(dls.train.device), after_ctx=after_ctx, after_unshard=after_unshard)
     (out/f'rank{rank}.json').write_text(json.dumps(res))

@@ -76,8 +76,7 @@ def test_preds_tta_predict(learn, tmp_path):
     assert preds.shape == targs.shape == (1000, 8)
     assert torch.equal(targs, learn.dls.valid.items.targets[0].values)
     with learn.no_bar():
-        same,_ = learn.tta(n=2, beta=1.)  # beta=1: only the plain validation pass, which must be get_preds'
-        aug,t2 = learn.tta(n=2, beta=0.)  # beta=0: only the augmented passes
+        (aug,same),t2 = learn.tta(n=2, beta=None)  # beta=None: the augmented passes' mean and the plain pass, which must be get_preds'
     assert torch.allclose(same, preds, atol=1e-5) and torch.equal(t2, targs)
     assert not torch.allclose(aug, preds, atol=1e-3), "tta's passes read the validation items through the training transforms"
     acc = lambda p: ((p > 0.5) == targs.bool()).float().mean().item()

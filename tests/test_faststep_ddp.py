@@ -1,6 +1,7 @@
 """`FastStep` under DDP, two processes on the CPU (gloo) through fastai's `distrib_ctx` and `DaliDistributed`: the same
 exactly-once and whole-set-metric checks as without it (`ddp_worker.check`), with the fused optimizer in place; with
-`graph=True` on the CPU, one message saying why it is not captured; on two GPUs (NCCL), captured, with the same checks.
+`graph=True` on the CPU, one message saying why it is not captured; on two and four GPUs (NCCL), captured (the step and validation's forward), with the same checks; validation's
+forward replayed through DDP's wrapping on one GPU.
 Why a DDP model is not captured (find_unused_parameters, SyncBatchNorm, gloo), and the SyncBatchNorm note, on a
 one-process group."""
 import json, os, socket, subprocess, sys, warnings
@@ -16,9 +17,10 @@ from fastai.callback.core import Callback, CancelFitException
 from fastai.distributed import DistributedTrainer
 from fastai.learner import Learner
 from fastai.losses import CrossEntropyLossFlat
+from fastai.metrics import accuracy
 
 import ddp_worker
-from helpers import GPU_RUN, index_loader, MAX_INDEX
+from helpers import GPU_RUN, index_loader, MAX_INDEX, needs_gpu
 import dali_fastai.distributed as distributed
 from dali_fastai.distributed import DaliDistributed
 from dali_fastai.data import DaliDataLoaders
@@ -64,12 +66,17 @@ def test_graph_on_the_cpu_says_why_once_and_trains(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize('world', [2, 4])
 def test_graph_under_ddp_on_gpus(tmp_path, world):
-    "On 2 and 4 GPUs (NCCL): captured on every rank, no fallback message; every item once an epoch, whole-set metrics, the same weights on every rank"
+    """On 2 and 4 GPUs (NCCL): the step captured on every rank, no fallback message, and validation's forward replayed
+    through DDP's wrapping; every item once an epoch, whole-set metrics (those of the uncaptured forward outside DDP), the
+    same weights on every rank"""
     if torch.cuda.device_count() < world: pytest.skip(f"FastStep(graph=True) under DDP on {world} GPUs: this machine has {torch.cuda.device_count()}")
     r = _torchrun(tmp_path, '--graph', device='gpu', nproc=world)
     print(ddp_worker.check(tmp_path, world=world))
     assert 'FastStep(graph=True):' not in r.stderr, r.stderr[-3000:]
     assert all(g['n'] >= 1 and g['failed'] is None for g in _ranks(tmp_path, 'graphs', world)), _ranks(tmp_path, 'graphs', world)
+    forwards = _ranks(tmp_path, 'forwards', world)  # after each of the fit's two validations
+    assert all(len(f) == 2 and {v['model'] for v in f} == {'DistributedDataParallel'} for f in forwards), forwards
+    assert all(f[-1]['replays'] > 0 and f[-1]['failed'] is None for f in forwards), forwards
 
 
 @pytest.mark.gpu
@@ -180,6 +187,36 @@ def test_the_module_inside_ddp_is_captured(group):
         warnings.simplefilter('always')
         cap = GraphCapture(_Learn(DistributedDataParallel(inner)), warnings.warn)
     assert cap.model is inner
+
+
+# ---------------------------------------------------------------- the inference forward through DDP's wrapping
+
+class _WrapsInDDP(Callback):
+    "What fastai's DistributedTrainer does to the model for a fit (its Accelerator wraps nothing in a one-process group)"
+    order = DistributedTrainer.order
+    def before_fit(self): self.learn.model,self.wrapped = DistributedDataParallel(self.learn.model),[]
+    def before_validate(self): self.wrapped.append(type(self.learn.model).__name__)
+    def after_fit(self): self.learn.model = self.learn.model.module
+
+
+@needs_gpu("FastStep captures the inference forward on a CUDA device")
+def test_validation_through_ddp_replays_the_module_inside(group, tmp_path):
+    """A fit's validations under DDP replay the captured forward of the module inside `DistributedDataParallel` (a forward
+    with no gradient asks nothing of the other ranks), with the values of the uncaptured forward; `get_preds` after the
+    fit, on the unwrapped model, replays the same graphs"""
+    from test_faststep import small_cnn, _tensor_dls, _eager_validate
+    fs,wraps = FastStep(graph=True),_WrapsInDDP()
+    learn = Learner(_tensor_dls(), small_cnn(2).cuda(), loss_func=CrossEntropyLossFlat(), metrics=accuracy, path=tmp_path, cbs=[wraps, fs])
+    with learn.no_bar(), warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always'); learn.fit(3, 1e-2)
+    assert wraps.wrapped == ['DistributedDataParallel']*3
+    said = [str(x.message) for x in w if 'inference forward' in str(x.message)]
+    assert not said and fs.forwards.replays > 0 and len(fs.forwards.graphs) == 2, (said, fs.forwards.replays)
+    recorded = [float(v) for v in learn.recorder.values[-1][1:]]  # the last validation, through DDP, replayed
+    assert recorded == pytest.approx(_eager_validate(learn, fs), rel=1e-5, abs=1e-6)
+    graphs,replays = dict(fs.forwards.graphs),fs.forwards.replays
+    with learn.no_bar(): learn.get_preds()
+    assert fs.forwards.replays > replays and fs.forwards.graphs == graphs, "the graphs captured inside DDP, replayed outside it"
 
 
 # ---------------------------------------------------------------- the SyncBatchNorm note

@@ -8,11 +8,21 @@ pass; then, side by side on the same unfrozen learner, the training step's image
 on the GPU (`SyntheticLoader`: the step alone) and fed by the training loader, and the loader alone (images per second it
 delivers with no step). The validation loader keeps its pass (the default on a GPU); `--read-valid` reads it through DALI
 every epoch (`val_keep_batches=False`); `--eager-forward`: `FastStep` runs the inference forward uncaptured (its
-`ForwardCapture` off; training is still captured). GPU only."""
-import argparse, time, warnings
+`ForwardCapture` off; training is still captured). GPU only.
+
+Under DDP, each rank reading its shard (`DaliDistributed`, `distrib_ctx(sync_bn=False)`), the epochs alone (rank 0 prints):
+
+    torchrun --nproc_per_node N tools/fit_phases.py [--eager-forward]     # N >= 2
+
+On one GPU, `--wrap-ddp` wraps the model in DDP for each fit over a one-process NCCL group, as fastai's DistributedTrainer
+does on several GPUs (under torchrun with one process its Accelerator wraps nothing, and fastai's `after_fit` then fails
+unwrapping it): what DDP's wrapping costs validation, with and without `--eager-forward`. Its training is no measure of
+DDP's: in a one-process NCCL group the training capture fails (cudaErrorStreamCaptureInvalidated, one H200, 2026-11-29)
+and the step runs uncaptured, as `FastStep said:` shows."""
+import argparse, contextlib, os, time, warnings
 
 
-def main(decode_on:str='auto', keep_batches:bool=True, eager_forward:bool=False):
+def main(decode_on:str='auto', keep_batches:bool=True, eager_forward:bool=False, wrap_ddp:bool=False):
     warnings.filterwarnings('ignore')
     import torch
     from fastai.callback.core import Callback
@@ -21,12 +31,23 @@ def main(decode_on:str='auto', keep_batches:bool=True, eager_forward:bool=False)
     from dali_fastai.sessionbench import _task_data, _quiet
     from dali_fastai.data import DaliDataLoaders
     from dali_fastai.measure import SyntheticLoader, learner_throughput, loader_throughput
+    from dali_fastai.distributed import DaliDistributed
+    from fastai.distributed import distrib_ctx  # noqa: F401 (adds Learner.distrib_ctx)
+    ddp,rank = int(os.environ.get('WORLD_SIZE', 1)) > 1,int(os.environ.get('RANK', 0))
     t,src,db = _task_data('classification', None, 224)
-    device = torch.device('cuda')
+    device = torch.device('cuda', int(os.environ.get('LOCAL_RANK', 0)))
     dls = DaliDataLoaders.from_dblock(db, src, bs=64, device=device, seed=0, decode_on=decode_on, val_keep_batches=keep_batches)
     fs = FastStep(graph=True)
     if eager_forward: fs.forwards = None
-    learn = t.learner(dls, [fs], metric=True, size=224)
+
+    class WrapInDDP(Callback):
+        "fastai's DistributedTrainer's wrapping of the model for a fit (after `DaliDistributed`'s `before_fit`, as there)"
+        order = 11
+        def before_fit(self): self.learn.model = torch.nn.parallel.DistributedDataParallel(self.learn.model, device_ids=[device])
+        def after_fit(self): self.learn.model = self.learn.model.module
+
+    if wrap_ddp: torch.distributed.init_process_group('nccl', init_method='tcp://127.0.0.1:29511', rank=0, world_size=1, device_id=device)
+    learn = t.learner(dls, [fs, *([DaliDistributed()] if ddp or wrap_ddp else []), *([WrapInDDP()] if wrap_ddp else [])], metric=True, size=224)
     sync,clock = torch.cuda.synchronize,time.perf_counter
 
     class Phases(Callback):
@@ -41,10 +62,15 @@ def main(decode_on:str='auto', keep_batches:bool=True, eager_forward:bool=False)
         def after_epoch(self): self.row['epoch'] = self._t() - self.row['epoch']; self.rows.append(self.row)
 
     ph = Phases()
-    with _quiet(learn): learn.fine_tune(3, cbs=ph)
-    print(f"fine_tune(3), decode_on={decode_on!r}, val_keep_batches={keep_batches}, eager_forward={eager_forward}: " + '; '.join(
+    with learn.distrib_ctx(sync_bn=False) if ddp else contextlib.nullcontext(), _quiet(learn): learn.fine_tune(3, cbs=ph)
+    if rank: return
+    under = f" under DDP on {os.environ['WORLD_SIZE']} GPUs, each rank's shard" if ddp else " wrapped in DDP (one process)" if wrap_ddp else ''
+    print(f"fine_tune(3){under}, decode_on={decode_on!r}, val_keep_batches={keep_batches}, eager_forward={eager_forward}: " + '; '.join(
         f"epoch {i} {r['epoch']:.3f} s (train {r['train']:.3f}, valid {r['valid']:.3f})" for i,r in enumerate(ph.rows)))
-    print(f"  batches an epoch: train {len(dls.train)}, valid {len(dls.valid)}; decoding now {dls.train.decoding}")
+    print(f"  batches an epoch: train {len(dls.train)}, valid {len(dls.valid)}; decoding now {dls.train.decoding}; "
+          f"inference forwards replayed {fs.forwards.replays if fs.forwards else 0}; captures {fs.capture_seconds:.2f} s")
+    for said in sorted(fs._warned): print(f"  FastStep said: {said}")
+    if ddp or wrap_ddp: return  # the step's side-by-side rates are one GPU's, unwrapped
     steps = {}
     syn = DataLoaders(SyntheticLoader(64, 224, dls.c, device, n=60), SyntheticLoader(64, 224, dls.c, device, n=2), device=device)
     real_dls = learn.dls
@@ -62,5 +88,6 @@ if __name__ == '__main__':
     p.add_argument('--decode-on', default='auto', choices=['auto', 'gpu', 'cpu'])
     p.add_argument('--read-valid', action='store_true', help="validation read through DALI every epoch (val_keep_batches=False)")
     p.add_argument('--eager-forward', action='store_true', help="the inference forward uncaptured (FastStep's ForwardCapture off)")
+    p.add_argument('--wrap-ddp', action='store_true', help="one GPU: the model wrapped in DDP for each fit (a one-process NCCL group)")
     a = p.parse_args()
-    main(a.decode_on, not a.read_valid, a.eager_forward)
+    main(a.decode_on, not a.read_valid, a.eager_forward, a.wrap_ddp)

@@ -263,6 +263,8 @@ MUTANTS = [
                "dblock_items runs the type transforms for every item again, not once a distinct value"),
     ('loader', "        if self._reads_ahead: self.read_ahead()  # the pass for the new settings", "        pass  #",
                "after a pretrained model's Normalize the first fit's first validation reads its pass, not read ahead"),
+    ('capture', "        if isinstance(model, DistributedDataParallel): model = model.module", "        if isinstance(model, DistributedDataParallel): return",
+                "under DDP a fit's validations run the inference forward uncaptured (killed on a GPU only)"),
 ]
 
 FAST = ['tests/test_defaults.py', 'tests/test_augment_stats.py']
