@@ -10,7 +10,8 @@ trains uncaptured). Every rank
 writes the sum of its weights after the fit: equal on every rank only if DDP averaged every step's gradients.
 On GPUs with the graph:  torchrun --nproc_per_node 2 tests/ddp_worker.py OUT --device gpu --graph && python tests/ddp_worker.py --check OUT
 On 4 GPUs, batches enough for FastStep()'s race:  torchrun --nproc_per_node 4 tests/ddp_worker.py OUT --device gpu --fast-step --race-from 0
---n-train 231 --bs 2 && python tests/ddp_worker.py --check OUT 4 231 2   (the images are indexed 0..255: n-train + n-valid <= 256)"""
+--n-train 231 --bs 2 && python tests/ddp_worker.py --check OUT 4 231 2   (the images are indexed 0..255: n-train + n-valid <= 256)
+`--bucket-view` builds DDP with gradient_as_bucket_view=True (with FastStep's optimizer; fastai's own refuses the views)."""
 import argparse, faulthandler, json, math, os, sys, time
 from pathlib import Path
 
@@ -44,6 +45,7 @@ class Record(Callback):
         cap = next((cb.capture for cb in self.learn.cbs if isinstance(cb, FastStep) and cb.capture), None)
         self.graphs = None if cap is None else dict(n=len(cap.graphs), failed=cap.failed, race=cap.race and cap.race.winner)
         self.forward_sync.append(getattr(self.learn.model, 'broadcast_buffers', None))  # DDP's broadcast of the buffers at each forward
+        self.bucket_views = getattr(self.learn.model, 'gradient_as_bucket_view', None)
     def after_validate(self):
         "The inference forwards `FastStep(graph=True)` replayed so far, and the model they went through (DDP's wrapping, in a fit)"
         fs = next((cb for cb in self.learn.cbs if isinstance(cb, FastStep) and cb.forwards), None)
@@ -61,6 +63,8 @@ def main():
     p.add_argument('--race-from', type=int, default=None, help="FastStep(): race in fits of this many training batches or more (default: RACE_FROM)")
     p.add_argument('--bn', action='store_true', help="a BatchNorm layer in the model (buffers that DDP keeps in step)")
     p.add_argument('--no-sync-bn', action='store_true', help="on the GPU: distrib_ctx(sync_bn=False), each rank's BatchNorm on its own batch (fastai converts to SyncBatchNorm by default)")
+    p.add_argument('--bucket-view', action='store_true', help="DDP built with gradient_as_bucket_view=True (FastStep's optimizer only: "
+                   "fastai's zero_grad detaches the gradients in place, which bucket views refuse)")
     p.add_argument('--seed', type=int, default=None, help="the training loader's seed (default: rank 0 draws one)")
     a = p.parse_args()
     if a.race_from is not None: faststep.RACE_FROM = a.race_from
@@ -81,9 +85,12 @@ def main():
     fast = [FastStep(graph=True if a.graph else False if a.eager else 'auto')] if a.fast_step or a.graph or a.eager else []
     learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), metrics=accuracy, cbs=[DaliDistributed(), rec, *fast])
     kw = dict(sync_bn=False, cpu=True) if a.device == 'cpu' else dict(sync_bn=False) if a.no_sync_bn else {}
+    if a.bucket_view:
+        from accelerate import DistributedDataParallelKwargs
+        kw['kwargs_handlers'] = [DistributedDataParallelKwargs(gradient_as_bucket_view=True)]
     with learn.distrib_ctx(**kw):
         with learn.no_bar(): learn.fit(2, 1e-2)
-        graphs,forward_sync,valid_buffers,forwards = rec.graphs,rec.forward_sync,rec.valid_buffers,rec.forwards  # `get_preds` starts the callbacks' `before_fit` again
+        graphs,forward_sync,valid_buffers,forwards,views = rec.graphs,rec.forward_sync,rec.valid_buffers,rec.forwards,rec.bucket_views  # `get_preds` starts the callbacks' `before_fit` again
         seen,ddp_valid = rec.seen,learn.recorder.values[-1][1:]
         lens = [len(learn.dls.train), len(learn.dls.valid)]
         with learn.no_bar(): preds,targs = learn.get_preds()
@@ -94,7 +101,7 @@ def main():
     whole = learn.validate()  # outside the context: one process, the whole validation set
     weights = sum(p.detach().double().sum().item() for p in learn.model.parameters())
     buffers = sum(b.detach().double().sum().item() for b in learn.model.buffers())
-    res = dict(rank=rank, world=world, graphs=graphs, forwards=forwards, weights=weights, buffers=buffers, forward_sync=forward_sync, valid_buffers=valid_buffers, lens=lens, opt=type(learn.opt).__name__, seen=seen, targs=targs.tolist(), n_preds=len(preds),
+    res = dict(rank=rank, world=world, graphs=graphs, forwards=forwards, bucket_views=views, weights=weights, buffers=buffers, forward_sync=forward_sync, valid_buffers=valid_buffers, lens=lens, opt=type(learn.opt).__name__, seen=seen, targs=targs.tolist(), n_preds=len(preds),
                ddp_valid=[float(v) for v in ddp_valid], whole_valid=[float(v) for v in whole],
                restored=restored, seed=dls.train.seed, device=str(dls.train.device), after_ctx=after_ctx, after_unshard=after_unshard)
     (out/f'rank{rank}.json').write_text(json.dumps(res))

@@ -89,6 +89,7 @@ def fit_epochs(dls, epochs:int, world:int, sync_bn:bool, bar:bool=True, fused:bo
                graph:bool|str=False, # `FastStep(graph=...)`: True, False, or 'auto' (its default: captured where faster)
                arch:str='resnet50', # the model, one of `ARCHS`
                broadcast_buffers:bool=False, # `FastStep(broadcast_buffers=...)`: DDP's broadcast of BatchNorm's statistics at every forward
+               bucket_view:bool=False, # DDP built with `gradient_as_bucket_view=True` (FastStep cases: fastai's own `zero_grad` detaches the gradients in place, which DDP's bucket views refuse)
               )->list:
     "Wall time of the training phase of each of `epochs` epochs of an `arch` (bf16, channels_last) fit, and `start_costs` after it"
     timer,wait = EpochTimer(),LoaderWait()
@@ -97,7 +98,11 @@ def fit_epochs(dls, epochs:int, world:int, sync_bn:bool, bar:bool=True, fused:bo
     learn = vision_learner(dls, ARCHS[arch], metrics=accuracy, pretrained=False, cbs=cbs, **kw).to_bf16()
     learn.model = learn.model.to(memory_format=torch.channels_last)
     # one GPU: a plain fit (fastai's DistributedTrainer assumes a DDP-wrapped model, which one process does not get)
-    with learn.distrib_ctx(sync_bn=sync_bn) if world > 1 else contextlib.nullcontext(), \
+    if bucket_view and not (fast_step or graph): raise SystemExit("--bucket-view: FastStep cases only (fastai's Optimizer.zero_grad "
+                                                                  "calls detach_() on the gradients, which DDP's bucket views refuse)")
+    if bucket_view: from accelerate import DistributedDataParallelKwargs  # what fastai's DistributedTrainer builds DDP with
+    ddp = {'kwargs_handlers': [DistributedDataParallelKwargs(gradient_as_bucket_view=True)]} if bucket_view else {}
+    with learn.distrib_ctx(sync_bn=sync_bn, **ddp) if world > 1 else contextlib.nullcontext(), \
          contextlib.nullcontext() if bar else learn.no_bar():
         learn.fit_one_cycle(epochs, 1e-3)
     return timer.times,{**start_costs(learn), 'host waits for batches': wait.waits},timer.decoded
@@ -279,6 +284,8 @@ def main():
                    "stream (priority_stream=False): what their high-priority stream is worth")
     p.add_argument('--broadcast-buffers', action='store_true', help="FastStep cases: DDP sends rank 0's BatchNorm statistics "
                    "at every forward (its default), not only before validation (FastStep's)")
+    p.add_argument('--bucket-view', action='store_true', help="FastStep cases: DDP built with gradient_as_bucket_view=True (no "
+                   "copy of each gradient back from DDP's buckets after the all-reduce; tools/ddp_overlap.py --wrap-one measures it on one GPU)")
     p.add_argument('--decoder-cost', type=float, default=None, help="decode_on='auto': price the GPU decoder's start at this "
                    "many seconds of the host's waits (default: gpu_decoder_cost's), to see the move and its one-epoch trial in a short run")
     p.add_argument('--result', default=None, help='rank 0 writes {"img_s": ...} here')
@@ -287,7 +294,7 @@ def main():
         most = torch.cuda.device_count() if a.compare == 'max' else int(a.compare)
         if a.n_per_class is None and a.path is None: a.n_per_class = n_per_class_for(a.images_per_rank, most)
         keep = [x for k in ('arch', 'path', 'bs', 'size', 'n_per_class', 'epochs', 'num_threads', 'hw_decoder_load', 'decode_on', 'decoder_cost') if getattr(a, k) is not None
-                for x in (f"--{k.replace('_', '-')}", str(getattr(a, k)))] + ['--no-priority-stream']*a.no_priority_stream + ['--broadcast-buffers']*a.broadcast_buffers + ['--no-kept-decoder']*a.no_kept_decoder
+                for x in (f"--{k.replace('_', '-')}", str(getattr(a, k)))] + ['--no-priority-stream']*a.no_priority_stream + ['--broadcast-buffers']*a.broadcast_buffers + ['--no-kept-decoder']*a.no_kept_decoder + ['--bucket-view']*a.bucket_view
         cases = [int(c) for c in a.cases.split(',')] if a.cases else None
         if cases and not all(1 <= c <= len(CASES) for c in cases):
             raise SystemExit(f"--cases {a.cases}: each must be a row of the table, 1 to {len(CASES)}")
@@ -315,10 +322,10 @@ def main():
     else:
         graph = 'auto' if a.auto else a.graph
         times,costs,each = fit_epochs(dls, a.epochs, world, a.sync_bn, bar=not a.no_bar, fused=a.fused_adamw, fast_step=a.fast_step or a.auto,
-                           graph=graph, arch=a.arch, broadcast_buffers=a.broadcast_buffers)
+                           graph=graph, arch=a.arch, broadcast_buffers=a.broadcast_buffers, bucket_view=a.bucket_view)
         what = (f"{a.arch} bf16, fastai + dali_fastai, sync_bn={a.sync_bn}{', no progress bar' if a.no_bar else ''}"
                 f"{', fused AdamW' if a.fused_adamw else ''}{f', FastStep(graph={graph!r})' if a.fast_step or a.graph or a.auto else ''}"
-                f"{', buffers broadcast each forward' if a.broadcast_buffers else ''}")
+                f"{', buffers broadcast each forward' if a.broadcast_buffers else ''}{', gradients as bucket views' if a.bucket_view else ''}")
     img_s = n_imgs*world*(len(times)-1)/sum(times[1:])
     whole = n_imgs*world*len(times)/sum(times)  # what the user waits for: the first epoch (builds, capture, cuDNN) included
     if a.result and rank == 0: Path(a.result).write_text(json.dumps({'img_s': img_s, 'whole_img_s': whole}))

@@ -8,7 +8,8 @@ Cases, each on a fresh torchvision resnet50 (bf16 autocast, channels_last, SGD w
 DDP replayed as one CUDA graph (`torch.cuda.make_graphed_callables`, as `FastStep(graph=True)` captures it: every gradient
 comes when the whole backward has replayed, so every all-reduce waits for it); `chunks` the same model as a sequence of
 `--chunks` parts (`chunks8`: 8) captured together (`make_graphed_callables` of a tuple), so each part's gradients reach DDP's hooks
-while the earlier parts' backward replays. On one GPU the model is not wrapped in DDP. Rank 0 prints img/s a GPU, the
+while the earlier parts' backward replays; a case ending `-view` builds DDP with `gradient_as_bucket_view=True`, one
+ending `-nobcast` with `broadcast_buffers=False`. On one GPU the model is not wrapped in DDP, unless `--wrap-one`. Rank 0 prints img/s a GPU, the
 all-reduce of the model's gradients alone (ms), and whether the weights agree across ranks."""
 import argparse, time
 import torch
@@ -49,17 +50,20 @@ def capture(parts:list, x:torch.Tensor):
         torch.cuda.make_graphed_callables(tuple(parts), tuple(samples), allow_unused_input=True)
 
 
-def run(case:str, bs:int, chunks:int, world:int, dev)->tuple:
+def run(case:str, bs:int, chunks:int, world:int, dev, wrap_one:bool=False)->tuple:
     torch.manual_seed(0)
     seq = sequential(torchvision.models.resnet50(num_classes=10)).to(dev, memory_format=torch.channels_last)
-    name = case.removesuffix('-nobcast')  # '-nobcast': DDP does not broadcast the BatchNorm statistics at every forward
+    # '-nobcast': DDP does not broadcast the BatchNorm statistics at every forward; '-view': `gradient_as_bucket_view=True`
+    # (the gradients are views of DDP's buckets: no copy into them before the all-reduce, nor back after it)
+    name = case.removesuffix('-view').removesuffix('-nobcast')
     parts = split(seq, int(name[6:] or chunks) if name.startswith('chunks') else 1)  # 'chunks8': 8 parts
     model = nn.Sequential(*parts)
     # the steps run on a stream of their own, where the parameters' AccumulateGrad nodes are made before DDP keeps them
     # (as `DaliDistributed` does): a capture cannot wait on the default stream
     side = torch.cuda.Stream(dev, priority=min(torch.cuda.Stream.priority_range()))
     with torch.cuda.stream(side): nodes = [q.view_as(q).grad_fn.next_functions[0][0] for q in model.parameters()]
-    ddp = DistributedDataParallel(model, device_ids=[dev.index], broadcast_buffers=not case.endswith('-nobcast')) if world > 1 else model
+    ddp = (DistributedDataParallel(model, device_ids=[dev.index], broadcast_buffers='-nobcast' not in case,
+                                   gradient_as_bucket_view=case.endswith('-view')) if world > 1 or wrap_one else model)
     nodes = None
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     x = torch.randn(bs, 3, 224, 224, device=dev).to(memory_format=torch.channels_last)
@@ -95,14 +99,16 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument('--bs', type=int, default=64); p.add_argument('--chunks', type=int, default=4)
     p.add_argument('--cases', nargs='+', default=['eager', 'captured', 'chunks'])
+    p.add_argument('--wrap-one', action='store_true', help="on one GPU too, the model wrapped in DDP (a one-process group): "
+                   "what DDP's own work costs a step, no other rank to wait for")
     a = p.parse_args()
     dist.init_process_group('nccl'); rank,world = dist.get_rank(),dist.get_world_size()
     torch.cuda.set_device(rank); dev = torch.device('cuda', rank)
     n = sum(q.numel() for q in torchvision.models.resnet50(num_classes=10).parameters())
     ar = allreduce_ms(dev, n) if world > 1 else 0.
     for case in a.cases:
-        img_s,same = run(case, a.bs, a.chunks, world, dev)
-        if rank == 0: print(f"ddp_overlap {world} GPU(s) bs {a.bs}: {case:8} {img_s:,.0f} img/s a GPU; all-reduce of "
+        img_s,same = run(case, a.bs, a.chunks, world, dev, a.wrap_one)
+        if rank == 0: print(f"ddp_overlap {world} GPU(s){' (wrapped in DDP)' if world == 1 and a.wrap_one else ''} bs {a.bs}: {case:8} {img_s:,.0f} img/s a GPU; all-reduce of "
                             f"{n/1e6:.1f}M fp32 gradients alone {ar:.2f} ms; weights equal across ranks: {same}", flush=True)
     dist.destroy_process_group()
 
