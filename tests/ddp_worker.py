@@ -98,7 +98,11 @@ def main():
     after_ctx = sum(len(y) for _,y in learn.dls.valid)  # still this rank's shard (documented)
     learn.dls.valid.shard(0, 1)
     after_unshard = sum(len(y) for _,y in learn.dls.valid)
+    fs = next((cb for cb in learn.cbs if isinstance(cb, FastStep)), None)
+    replaying = fs and fs.forwards
+    if fs: fs.forwards = None  # the model's own forward: what the fit's replayed validations are checked against
     whole = learn.validate()  # outside the context: one process, the whole validation set
+    if fs: fs.forwards = replaying
     weights = sum(p.detach().double().sum().item() for p in learn.model.parameters())
     buffers = sum(b.detach().double().sum().item() for b in learn.model.buffers())
     res = dict(rank=rank, world=world, graphs=graphs, forwards=forwards, bucket_views=views, weights=weights, buffers=buffers, forward_sync=forward_sync, valid_buffers=valid_buffers, lens=lens, opt=type(learn.opt).__name__, seen=seen, targs=targs.tolist(), n_preds=len(preds),

@@ -47,9 +47,10 @@ def _ranks(tmp_path, key:str, world:int=2)->list: return [json.loads((tmp_path/f
 
 
 def test_two_processes_with_fast_step(tmp_path):
-    _torchrun(tmp_path, '--fast-step')
+    "FastStep's optimizer with DDP's gradients as views of its buckets (`gradient_as_bucket_view=True`, which fastai's own optimizer refuses): exactly once, whole-set metrics, the same weights (DDP's default: the graph test below)"
+    _torchrun(tmp_path, '--fast-step', '--bucket-view')
     ddp_worker.check(tmp_path)
-    assert set(_ranks(tmp_path, 'opt')) == {'FastOptimizer'}
+    assert set(_ranks(tmp_path, 'opt')) == {'FastOptimizer'} and _ranks(tmp_path, 'bucket_views') == [True, True]
 
 
 def test_graph_on_the_cpu_says_why_once_and_trains(tmp_path):
@@ -203,7 +204,7 @@ class _WrapsInDDP(Callback):
 def test_validation_through_ddp_replays_the_module_inside(group, tmp_path):
     """A fit's validations under DDP replay the captured forward of the module inside `DistributedDataParallel` (a forward
     with no gradient asks nothing of the other ranks), with the values of the uncaptured forward; `get_preds` after the
-    fit, on the unwrapped model, replays the same graphs"""
+    fit, which fastai's callbacks wrap in a new DDP around the same module, replays the same graphs"""
     from test_faststep import small_cnn, _tensor_dls, _eager_validate
     fs,wraps = FastStep(graph=True),_WrapsInDDP()
     learn = Learner(_tensor_dls(), small_cnn(2).cuda(), loss_func=CrossEntropyLossFlat(), metrics=accuracy, path=tmp_path, cbs=[wraps, fs])
@@ -216,7 +217,7 @@ def test_validation_through_ddp_replays_the_module_inside(group, tmp_path):
     assert recorded == pytest.approx(_eager_validate(learn, fs), rel=1e-5, abs=1e-6)
     graphs,replays = dict(fs.forwards.graphs),fs.forwards.replays
     with learn.no_bar(): learn.get_preds()
-    assert fs.forwards.replays > replays and fs.forwards.graphs == graphs, "the graphs captured inside DDP, replayed outside it"
+    assert fs.forwards.replays > replays and fs.forwards.graphs == graphs, "the graphs captured in the fit, replayed through another DDP"
 
 
 # ---------------------------------------------------------------- the SyncBatchNorm note
@@ -320,6 +321,24 @@ def test_ddp_bench_passes_the_loader_levers_to_every_case(tmp_path, monkeypatch)
                                       '--no-priority-stream'])
     with pytest.raises(SystemExit): ddp.main()
     assert seen['num_threads'] == 3 and seen['priority_stream'] is False and seen['hw_decoder_load'] == 1.0
+
+
+def test_ddp_bench_gives_bucket_views_to_faststep_cases_only(tmp_path, monkeypatch):
+    "`--compare --bucket-view`: FastStep's cases get the flag; any other case (fastai's optimizer refuses the views) is refused before a run"
+    from helpers import load_tool
+    ddp = load_tool('ddp_bench')
+    runs = []
+    monkeypatch.setattr(ddp, 'run_case', lambda n, args: runs.append(tuple(args)) or 1.0)
+    monkeypatch.chdir(tmp_path)
+    for cases in ('1', '7,9', None):
+        monkeypatch.setattr(sys, 'argv', ['ddp_bench.py', '--compare', '1', '--bucket-view', '--n-per-class', '4', *(['--cases', cases] if cases else [])])
+        with pytest.raises(SystemExit, match='--bucket-view: pass --cases among 6,7,8'): ddp.main()
+    assert runs == []
+    monkeypatch.setattr(sys, 'argv', ['ddp_bench.py', '--compare', '1', '--bucket-view', '--n-per-class', '4', '--cases', '7'])
+    ddp.main()
+    assert runs == [('--arch', 'resnet50', '--bs', '128', '--size', '224', '--n-per-class', '4', '--epochs', '4', '--bucket-view',
+                     '--fast-step', '--graph')], runs
+    assert (tmp_path/'ddp_bench_bucket_view.json').exists() and not (tmp_path/'ddp_bench.json').exists(), "not mixed with DDP's default's rows"
 
 
 # ---------------------------------------------------------------- BatchNorm's statistics: sent before validation, not each forward

@@ -168,7 +168,12 @@ CASES = [('the sharded loader alone', ['--loader-only']),
          ("fastai + dali_fastai + FastStep(graph='auto') (its default), `distrib_ctx(sync_bn=False)`", ['--fast-step', '--auto']),
          ('fastai + dali_fastai, `distrib_ctx(sync_bn=False)`', []),
          ("fastai + dali_fastai, `distrib_ctx()` (fastai's default `sync_bn=True`)", ['--sync-bn'])]
+# the cases `--bucket-view` applies to: FastStep's PyTorch optimizer takes DDP's bucket views, fastai's own refuses them
+# (its `zero_grad` detaches each gradient in place) and the plain loops build their DDP without them
+VIEW_CASES = [i + 1 for i,(_,extra) in enumerate(CASES) if '--fast-step' in extra]
 
+
+OUT = 'ddp_bench.json'  # `--compare`'s default file of results
 
 def run_case(n_gpus:int, args:list)->float:
     "img/s (all ranks) of one case on `n_gpus`, in its own torchrun"
@@ -266,7 +271,7 @@ def main():
                    "machine has), print one table")
     p.add_argument('--images-per-rank', type=int, default=9000, help="--compare: training images each rank reads an epoch "
                    "on the most GPUs (default: 9000: about 3 s at the 3,000 img/s a GPU of the distributed notebook's tables)")
-    p.add_argument('--out', default='ddp_bench.json', help="--compare: the cases' img/s, kept as they finish (default: ddp_bench.json)")
+    p.add_argument('--out', default=OUT, help="--compare: the cases' img/s, kept as they finish (default: ddp_bench.json)")
     p.add_argument('--fresh', action='store_true', help="--compare: run every case again, not only those missing from --out")
     p.add_argument('--cases', default=None, help="--compare: only these cases, by their row in the table, e.g. 1,3,5 (default: all)")
     p.add_argument('--num-threads', type=int, default=None, help="the loaders' DALI CPU threads a pipeline (default: "
@@ -298,7 +303,11 @@ def main():
         cases = [int(c) for c in a.cases.split(',')] if a.cases else None
         if cases and not all(1 <= c <= len(CASES) for c in cases):
             raise SystemExit(f"--cases {a.cases}: each must be a row of the table, 1 to {len(CASES)}")
-        return compare(gpu_counts(most), keep, a.bs, Path(a.out), a.fresh, cases, a.arch)
+        if a.bucket_view and not (cases and set(cases) <= set(VIEW_CASES)):
+            raise SystemExit(f"--bucket-view: pass --cases among {','.join(map(str, VIEW_CASES))} (FastStep's; fastai's own optimizer "
+                             "refuses DDP's bucket views, and the plain loops do not build DDP with them)")
+        out = Path(a.out if not a.bucket_view or a.out != OUT else 'ddp_bench_bucket_view.json')  # not mixed with DDP's default's rows
+        return compare(gpu_counts(most), keep, a.bs, out, a.fresh, cases, a.arch + (', DDP with gradient_as_bucket_view=True' if a.bucket_view else ''))
     if a.no_kept_decoder: dali_fastai.loader.keep_decoder = lambda *args: None  # a probe's switch, as tools/session_starts.py's
     if a.decoder_cost is not None: dali_fastai.loader.gpu_decoder_cost = lambda *args: a.decoder_cost  # the move, and its trial, early
     rank, world = int(os.environ.get('RANK', 0)), int(os.environ.get('WORLD_SIZE', 1))
@@ -325,7 +334,7 @@ def main():
                            graph=graph, arch=a.arch, broadcast_buffers=a.broadcast_buffers, bucket_view=a.bucket_view)
         what = (f"{a.arch} bf16, fastai + dali_fastai, sync_bn={a.sync_bn}{', no progress bar' if a.no_bar else ''}"
                 f"{', fused AdamW' if a.fused_adamw else ''}{f', FastStep(graph={graph!r})' if a.fast_step or a.graph or a.auto else ''}"
-                f"{', buffers broadcast each forward' if a.broadcast_buffers else ''}{', gradients as bucket views' if a.bucket_view else ''}")
+                f"{', buffers broadcast each forward' if a.broadcast_buffers else ''}{', gradients as bucket views' if a.bucket_view and world > 1 else ''}")
     img_s = n_imgs*world*(len(times)-1)/sum(times[1:])
     whole = n_imgs*world*len(times)/sum(times)  # what the user waits for: the first epoch (builds, capture, cuDNN) included
     if a.result and rank == 0: Path(a.result).write_text(json.dumps({'img_s': img_s, 'whole_img_s': whole}))

@@ -11,7 +11,7 @@ comes when the whole backward has replayed, so every all-reduce waits for it); `
 while the earlier parts' backward replays; a case ending `-view` builds DDP with `gradient_as_bucket_view=True`, one
 ending `-nobcast` with `broadcast_buffers=False`. On one GPU the model is not wrapped in DDP, unless `--wrap-one`. Rank 0 prints img/s a GPU, the
 all-reduce of the model's gradients alone (ms), and whether the weights agree across ranks."""
-import argparse, time
+import argparse, re, time
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -54,16 +54,18 @@ def run(case:str, bs:int, chunks:int, world:int, dev, wrap_one:bool=False)->tupl
     torch.manual_seed(0)
     seq = sequential(torchvision.models.resnet50(num_classes=10)).to(dev, memory_format=torch.channels_last)
     # '-nobcast': DDP does not broadcast the BatchNorm statistics at every forward; '-view': `gradient_as_bucket_view=True`
-    # (the gradients are views of DDP's buckets: no copy into them before the all-reduce, nor back after it)
-    name = case.removesuffix('-view').removesuffix('-nobcast')
+    # (the gradients are views of DDP's buckets: no copy of them back from the buckets after the all-reduce)
+    name,*flags = case.split('-')
+    if not (name in ('eager', 'captured') or re.fullmatch(r'chunks\d*', name)) or not set(flags) <= {'nobcast', 'view'}:
+        raise SystemExit(f"--cases {case}: eager, captured or chunks[N], then any of -nobcast and -view")
     parts = split(seq, int(name[6:] or chunks) if name.startswith('chunks') else 1)  # 'chunks8': 8 parts
     model = nn.Sequential(*parts)
     # the steps run on a stream of their own, where the parameters' AccumulateGrad nodes are made before DDP keeps them
     # (as `DaliDistributed` does): a capture cannot wait on the default stream
     side = torch.cuda.Stream(dev, priority=min(torch.cuda.Stream.priority_range()))
     with torch.cuda.stream(side): nodes = [q.view_as(q).grad_fn.next_functions[0][0] for q in model.parameters()]
-    ddp = (DistributedDataParallel(model, device_ids=[dev.index], broadcast_buffers='-nobcast' not in case,
-                                   gradient_as_bucket_view=case.endswith('-view')) if world > 1 or wrap_one else model)
+    ddp = (DistributedDataParallel(model, device_ids=[dev.index], broadcast_buffers='nobcast' not in flags,
+                                   gradient_as_bucket_view='view' in flags) if world > 1 or wrap_one else model)
     nodes = None
     opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
     x = torch.randn(bs, 3, 224, 224, device=dev).to(memory_format=torch.channels_last)
@@ -74,7 +76,7 @@ def run(case:str, bs:int, chunks:int, world:int, dev, wrap_one:bool=False)->tupl
     side.wait_stream(torch.cuda.current_stream(dev))
     with torch.cuda.stream(side):
         for _ in range(3): step()
-        if not case.startswith('eager'): capture(parts, x)
+        if name != 'eager': capture(parts, x)
         for _ in range(5): step()
         torch.cuda.synchronize(); start = time.perf_counter()
         for _ in range(30): step()

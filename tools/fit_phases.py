@@ -19,7 +19,7 @@ does on several GPUs (under torchrun with one process its Accelerator wraps noth
 unwrapping it): what DDP's wrapping costs validation, with and without `--eager-forward`. Its training is no measure of
 DDP's: in a one-process NCCL group the training capture fails (cudaErrorStreamCaptureInvalidated, one H200, 2026-11-29)
 and the step runs uncaptured, as `FastStep said:` shows."""
-import argparse, contextlib, os, time, warnings
+import argparse, contextlib, os, socket, time, warnings
 
 
 def main(decode_on:str='auto', keep_batches:bool=True, eager_forward:bool=False, wrap_ddp:bool=False):
@@ -46,7 +46,11 @@ def main(decode_on:str='auto', keep_batches:bool=True, eager_forward:bool=False,
         def before_fit(self): self.learn.model = torch.nn.parallel.DistributedDataParallel(self.learn.model, device_ids=[device])
         def after_fit(self): self.learn.model = self.learn.model.module
 
-    if wrap_ddp: torch.distributed.init_process_group('nccl', init_method='tcp://127.0.0.1:29511', rank=0, world_size=1, device_id=device)
+    if wrap_ddp:
+        if ddp: raise SystemExit("--wrap-ddp wraps the model in a one-process group: run it without torchrun (under torchrun with "
+                                 "several processes fastai's distrib_ctx wraps it)")
+        with socket.socket() as s: s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]
+        torch.distributed.init_process_group('nccl', init_method=f'tcp://127.0.0.1:{port}', rank=0, world_size=1, device_id=device)
     learn = t.learner(dls, [fs, *([DaliDistributed()] if ddp or wrap_ddp else []), *([WrapInDDP()] if wrap_ddp else [])], metric=True, size=224)
     sync,clock = torch.cuda.synchronize,time.perf_counter
 
@@ -70,6 +74,7 @@ def main(decode_on:str='auto', keep_batches:bool=True, eager_forward:bool=False,
     print(f"  batches an epoch: train {len(dls.train)}, valid {len(dls.valid)}; decoding now {dls.train.decoding}; "
           f"inference forwards replayed {fs.forwards.replays if fs.forwards else 0}; captures {fs.capture_seconds:.2f} s")
     for said in sorted(fs._warned): print(f"  FastStep said: {said}")
+    if wrap_ddp: torch.distributed.destroy_process_group()
     if ddp or wrap_ddp: return  # the step's side-by-side rates are one GPU's, unwrapped
     steps = {}
     syn = DataLoaders(SyntheticLoader(64, 224, dls.c, device, n=60), SyntheticLoader(64, 224, dls.c, device, n=2), device=device)
