@@ -9,8 +9,10 @@ __all__ = ['RACE_FROM', 'StepRace', 'GraphCapture', 'ForwardCapture']
 
 # %% ../nbs/07e0_capture.ipynb #f4d318ce
 import time
+import traceback
 import weakref
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -96,6 +98,21 @@ def _fresh_rng(device:torch.device):
     g = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
     g.graphsafe_set_state(g.clone_state())
 
+_TORCH = str(Path(torch.__file__).parent)
+
+def _failure(e:Exception)->str:
+    "What a failed capture raised, first error first, each by its type and first line, the first with the line of code it came from"
+    # `capture_end` raises 'operation failed due to a previous error during capture', which hides the op that broke the
+    # capture (a host read, a sync): that one is the exception it was raised while handling
+    chain = [e]
+    while len(chain) < 4 and (c := chain[-1].__cause__ or chain[-1].__context__) is not None: chain.append(c)
+    first = chain[-1]
+    where = next((f"{Path(f.filename).name}:{f.lineno} in {f.name}" for f in reversed(traceback.extract_tb(first.__traceback__))
+                  if not f.filename.startswith(_TORCH)), None)
+    said = [f"{type(x).__name__}: {(str(x).strip().splitlines() or [''])[0]}" for x in reversed(chain)]
+    if where: said[0] += f" (at {where})"
+    return '; then '.join(said)
+
 @contextmanager
 def _capturing(capture, # a `GraphCapture` or `ForwardCapture`: told why a capture failed (`_fail`), its `capture_seconds` counted
                device:torch.device, # where the capture runs
@@ -108,7 +125,7 @@ def _capturing(capture, # a `GraphCapture` or `ForwardCapture`: told why a captu
         torch.cuda.set_stream(stream)
         _fresh_rng(device)
         if not isinstance(e, Exception): raise
-        capture._fail(f"capturing {what} failed ({type(e).__name__}: {e})")
+        capture._fail(f"capturing {what} failed ({_failure(e)})")
     finally: capture.capture_seconds += time.perf_counter() - start
 
 class GraphCapture:

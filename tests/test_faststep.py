@@ -357,6 +357,19 @@ class _HostRead(nn.Module):
     def forward(self, x): return -x if x.abs().sum().item() < 0 else x
 
 
+def _reads_on_the_host(): raise RuntimeError("CUDA error: operation not permitted when stream is capturing\nSearch for ...")
+
+def test_a_failed_capture_names_the_error_that_broke_it():
+    "`capture_end`'s own error hides the one it was raised while handling: both are said, that one first, with its line of code"
+    from dali_fastai.capture import _failure
+    try:
+        try: _reads_on_the_host()
+        finally: raise RuntimeError("CUDA error: operation failed due to a previous error during capture\nSearch for ...")
+    except RuntimeError as e: said = _failure(e)
+    assert said.startswith('RuntimeError: CUDA error: operation not permitted when stream is capturing (at test_faststep.py:'), said
+    assert said.endswith(' in _reads_on_the_host); then RuntimeError: CUDA error: operation failed due to a previous error during capture'), said
+
+
 @needs_gpu('FastStep(graph=True) captures on a CUDA device')
 def test_a_failed_capture_trains_on_uncaptured_dropout_included(tmp_path):
     """A capture that fails says so once and the fit goes on uncaptured: dropout's random numbers too (the failed capture
@@ -373,6 +386,7 @@ def test_a_failed_capture_trains_on_uncaptured_dropout_included(tmp_path):
         warnings.simplefilter('always'); learn.fit(2, 1e-2)
     said = [str(x.message) for x in w if 'FastStep(graph=True)' in str(x.message)]
     assert len(said) == 1 and 'capturing the model failed' in said[0], said
+    assert '(at test_faststep.py:' in said[0] and 'in forward)' in said[0], f"the host read's line is named: {said[0]}"
     assert len(learn.recorder.losses) == 6 and all(torch.isfinite(l) for l in learn.recorder.losses)
     assert torch.nn.functional.dropout(torch.ones(8, device='cuda'), 0.5).isfinite().all()  # the generator works after the fit
     assert torch.cuda.current_stream() == torch.cuda.default_stream()  # not the failed capture's stream (fastai's loaders set none)

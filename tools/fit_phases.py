@@ -17,8 +17,9 @@ Under DDP, each rank reading its shard (`DaliDistributed`, `distrib_ctx(sync_bn=
 On one GPU, `--wrap-ddp` wraps the model in DDP for each fit over a one-process NCCL group, as fastai's DistributedTrainer
 does on several GPUs (under torchrun with one process its Accelerator wraps nothing, and fastai's `after_fit` then fails
 unwrapping it): what DDP's wrapping costs validation, with and without `--eager-forward`. Its training is no measure of
-DDP's: in a one-process NCCL group the training capture fails (cudaErrorStreamCaptureInvalidated, one H200, 2026-11-29)
-and the step runs uncaptured, as `FastStep said:` shows."""
+DDP's: in a one-process NCCL group the training capture fails ("operation would make the legacy stream depend on a
+capturing blocking stream", one H200, 2026-11-29; the plain loop of tools/ddp_overlap.py --wrap-one captures there) and
+the step runs uncaptured, as `FastStep said:` shows."""
 import argparse, contextlib, os, socket, time, warnings
 
 

@@ -265,6 +265,8 @@ MUTANTS = [
                "after a pretrained model's Normalize the first fit's first validation reads its pass, not read ahead"),
     ('capture', "        if isinstance(model, DistributedDataParallel): model = model.module", "        if isinstance(model, DistributedDataParallel): return",
                 "under DDP a fit's validations run the inference forward uncaptured (killed on a GPU only)"),
+    ('capture', "    while len(chain) < 4 and (c := chain[-1].__cause__ or chain[-1].__context__) is not None: chain.append(c)", "    pass",
+                "a failed capture says only capture_end's 'operation failed due to a previous error', not what broke it"),
 ]
 
 FAST = ['tests/test_defaults.py', 'tests/test_augment_stats.py']
