@@ -42,14 +42,15 @@ class Record(Callback):
     def after_batch(self): self.seen['train' if self.training else 'valid'][-1] += self.yb[0].tolist()
     def after_train(self):
         "What `FastStep(graph=True)` captured (read before its `after_fit` lets the graphs go)"
-        cap = next((cb.capture for cb in self.learn.cbs if isinstance(cb, FastStep) and cb.capture), None)
+        fs = getattr(self.learn, 'fast_step', None)  # fastai names each callback on its learner
+        cap = fs and fs.capture
         self.graphs = None if cap is None else dict(n=len(cap.graphs), failed=cap.failed, race=cap.race and cap.race.winner)
         self.forward_sync.append(getattr(self.learn.model, 'broadcast_buffers', None))  # DDP's broadcast of the buffers at each forward
         self.bucket_views = getattr(self.learn.model, 'gradient_as_bucket_view', None)
     def after_validate(self):
         "The inference forwards `FastStep(graph=True)` replayed so far, and the model they went through (DDP's wrapping, in a fit)"
-        fs = next((cb for cb in self.learn.cbs if isinstance(cb, FastStep) and cb.forwards), None)
-        if fs: self.forwards.append(dict(replays=fs.forwards.replays, failed=fs.forwards.failed, model=type(self.learn.model).__name__))
+        fs = getattr(self.learn, 'fast_step', None)
+        if fs and fs.forwards: self.forwards.append(dict(replays=fs.forwards.replays, failed=fs.forwards.failed, model=type(self.learn.model).__name__))
 
 
 def main():
@@ -98,7 +99,7 @@ def main():
     after_ctx = sum(len(y) for _,y in learn.dls.valid)  # still this rank's shard (documented)
     learn.dls.valid.shard(0, 1)
     after_unshard = sum(len(y) for _,y in learn.dls.valid)
-    fs = next((cb for cb in learn.cbs if isinstance(cb, FastStep)), None)
+    fs = getattr(learn, 'fast_step', None)
     replaying = fs and fs.forwards
     if fs: fs.forwards = None  # the model's own forward: what the fit's replayed validations are checked against
     whole = learn.validate()  # outside the context: one process, the whole validation set

@@ -215,9 +215,11 @@ def test_validation_through_ddp_replays_the_module_inside(group, tmp_path):
     assert not said and fs.forwards.replays > 0 and len(fs.forwards.graphs) == 2, (said, fs.forwards.replays)
     recorded = [float(v) for v in learn.recorder.values[-1][1:]]  # the last validation, through DDP, replayed
     assert recorded == pytest.approx(_eager_validate(learn, fs), rel=1e-5, abs=1e-6)
-    graphs,replays = dict(fs.forwards.graphs),fs.forwards.replays
+    graphs,replays = {k: g for k,(g,_,_) in fs.forwards.graphs.items()},fs.forwards.replays
     with learn.no_bar(): learn.get_preds()
-    assert fs.forwards.replays > replays and fs.forwards.graphs == graphs, "the graphs captured in the fit, replayed through another DDP"
+    kept = {k: g for k,(g,_,_) in fs.forwards.graphs.items()}
+    assert fs.forwards.replays > replays and kept.keys() == graphs.keys() and all(kept[k] is graphs[k] for k in graphs), \
+        "the graphs captured in the fit, replayed through another DDP"
 
 
 # ---------------------------------------------------------------- the SyncBatchNorm note
@@ -332,7 +334,10 @@ def test_ddp_bench_gives_bucket_views_to_faststep_cases_only(tmp_path, monkeypat
     monkeypatch.chdir(tmp_path)
     for cases in ('1', '7,9', None):
         monkeypatch.setattr(sys, 'argv', ['ddp_bench.py', '--compare', '1', '--bucket-view', '--n-per-class', '4', *(['--cases', cases] if cases else [])])
-        with pytest.raises(SystemExit, match='--bucket-view: pass --cases among 6,7,8'): ddp.main()
+        with pytest.raises(SystemExit, match=r'--cases among 6,7,8\)'): ddp.main()
+    for case in (['--synthetic', '--graph'], ['--plain-dali'], []):  # one case, no --compare: refused before any work too
+        monkeypatch.setattr(sys, 'argv', ['ddp_bench.py', '--bucket-view', *case])
+        with pytest.raises(SystemExit, match="FastStep's fastai cases only"): ddp.main()
     assert runs == []
     monkeypatch.setattr(sys, 'argv', ['ddp_bench.py', '--compare', '1', '--bucket-view', '--n-per-class', '4', '--cases', '7'])
     ddp.main()

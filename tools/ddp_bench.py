@@ -89,7 +89,7 @@ def fit_epochs(dls, epochs:int, world:int, sync_bn:bool, bar:bool=True, fused:bo
                graph:bool|str=False, # `FastStep(graph=...)`: True, False, or 'auto' (its default: captured where faster)
                arch:str='resnet50', # the model, one of `ARCHS`
                broadcast_buffers:bool=False, # `FastStep(broadcast_buffers=...)`: DDP's broadcast of BatchNorm's statistics at every forward
-               bucket_view:bool=False, # DDP built with `gradient_as_bucket_view=True` (FastStep cases: fastai's own `zero_grad` detaches the gradients in place, which DDP's bucket views refuse)
+               bucket_view:bool=False, # DDP built with `gradient_as_bucket_view=True` (FastStep cases only: `VIEWS_REFUSED`)
               )->list:
     "Wall time of the training phase of each of `epochs` epochs of an `arch` (bf16, channels_last) fit, and `start_costs` after it"
     timer,wait = EpochTimer(),LoaderWait()
@@ -98,8 +98,6 @@ def fit_epochs(dls, epochs:int, world:int, sync_bn:bool, bar:bool=True, fused:bo
     learn = vision_learner(dls, ARCHS[arch], metrics=accuracy, pretrained=False, cbs=cbs, **kw).to_bf16()
     learn.model = learn.model.to(memory_format=torch.channels_last)
     # one GPU: a plain fit (fastai's DistributedTrainer assumes a DDP-wrapped model, which one process does not get)
-    if bucket_view and not (fast_step or graph): raise SystemExit("--bucket-view: FastStep cases only (fastai's Optimizer.zero_grad "
-                                                                  "calls detach_() on the gradients, which DDP's bucket views refuse)")
     if bucket_view: from accelerate import DistributedDataParallelKwargs  # what fastai's DistributedTrainer builds DDP with
     ddp = {'kwargs_handlers': [DistributedDataParallelKwargs(gradient_as_bucket_view=True)]} if bucket_view else {}
     with learn.distrib_ctx(sync_bn=sync_bn, **ddp) if world > 1 else contextlib.nullcontext(), \
@@ -171,6 +169,8 @@ CASES = [('the sharded loader alone', ['--loader-only']),
 # the cases `--bucket-view` applies to: FastStep's PyTorch optimizer takes DDP's bucket views, fastai's own refuses them
 # (its `zero_grad` detaches each gradient in place) and the plain loops build their DDP without them
 VIEW_CASES = [i + 1 for i,(_,extra) in enumerate(CASES) if '--fast-step' in extra]
+VIEWS_REFUSED = (f"--bucket-view: FastStep's fastai cases only (with --compare, --cases among {','.join(map(str, VIEW_CASES))}): "
+                 "fastai's own optimizer refuses DDP's bucket views, and the plain loops do not build DDP with them")
 
 
 OUT = 'ddp_bench.json'  # `--compare`'s default file of results
@@ -303,11 +303,10 @@ def main():
         cases = [int(c) for c in a.cases.split(',')] if a.cases else None
         if cases and not all(1 <= c <= len(CASES) for c in cases):
             raise SystemExit(f"--cases {a.cases}: each must be a row of the table, 1 to {len(CASES)}")
-        if a.bucket_view and not (cases and set(cases) <= set(VIEW_CASES)):
-            raise SystemExit(f"--bucket-view: pass --cases among {','.join(map(str, VIEW_CASES))} (FastStep's; fastai's own optimizer "
-                             "refuses DDP's bucket views, and the plain loops do not build DDP with them)")
+        if a.bucket_view and not (cases and set(cases) <= set(VIEW_CASES)): raise SystemExit(VIEWS_REFUSED)
         out = Path(a.out if not a.bucket_view or a.out != OUT else 'ddp_bench_bucket_view.json')  # not mixed with DDP's default's rows
         return compare(gpu_counts(most), keep, a.bs, out, a.fresh, cases, a.arch + (', DDP with gradient_as_bucket_view=True' if a.bucket_view else ''))
+    if a.bucket_view and (a.synthetic or a.plain_dali or a.loader_only or not (a.fast_step or a.graph or a.auto)): raise SystemExit(VIEWS_REFUSED)
     if a.no_kept_decoder: dali_fastai.loader.keep_decoder = lambda *args: None  # a probe's switch, as tools/session_starts.py's
     if a.decoder_cost is not None: dali_fastai.loader.gpu_decoder_cost = lambda *args: a.decoder_cost  # the move, and its trial, early
     rank, world = int(os.environ.get('RANK', 0)), int(os.environ.get('WORLD_SIZE', 1))
