@@ -75,6 +75,7 @@ def _torch_kwargs(cls:type, params:list)->dict:
 class FastOptimizer(_BaseOptimizer):
     "fastai's `Optimizer` (hypers, parameter groups, freezing, its state dict) whose step is PyTorch's fused or foreach step"
     _keep_on_clear = ['force_train', 'do_wd']
+    keep_grads = False # True while a whole-step CUDA graph writes the gradients at each replay (`GraphCapture`): `zero_grad` leaves them
     def __init__(self, param_lists, # fastai's parameter groups, as `Optimizer.param_lists`
                  hypers,            # one dict of fastai hyper-parameters per group (`lr`, `mom`, `wd`, ...)
                  step:TorchStep,    # the PyTorch optimizer that does the arithmetic
@@ -126,7 +127,8 @@ class FastOptimizer(_BaseOptimizer):
         if self.step_kind.own_wd: self._decay()
         self.opt.step()
 
-    def zero_grad(self): self.opt.zero_grad(set_to_none=True) # no gradient memory held through the forward; `_zero_missing` gives fastai's zeros back
+    def zero_grad(self):
+        if not self.keep_grads: self.opt.zero_grad(set_to_none=True) # no gradient memory held through the forward; `_zero_missing` gives fastai's zeros back
     def clear_state(self):
         for p,*_ in self.all_params():
             self.state[p] = {k: v for k,v in self.state[p].items() if k in self._keep_on_clear}

@@ -17,7 +17,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from fastcore.basics import store_attr
 from fastcore.foundation import L
-from fastai.callback.core import Callback
+from fastai.callback.core import Callback, CancelBackwardException
 from fastai.callback.fp16 import MixedPrecision
 from fastai.callback.schedule import LRFinder
 from fastai.learner import AvgLoss, AvgMetric, AvgSmoothLoss, Recorder
@@ -26,7 +26,7 @@ from fastai.optimizer import Optimizer
 from fastai.distributed import DistributedDL
 from fastai.torch_core import TensorBase, find_bs, flatten_check, num_distrib, to_detach
 from .fastopt import FastOptimizer, torch_step
-from .distributed import BuffersAtValidation, DaliShard, say_sync_bn
+from .distributed import BuffersAtValidation, DaliDistributed, DaliShard, say_sync_bn
 from .capture import GraphCapture, ForwardCapture, StepRace, RACE_FROM
 
 # %% ../nbs/07e_faststep.ipynb #f87763a3
@@ -162,11 +162,12 @@ class FastStep(Callback):
                  device_metrics:bool=True,          # smooth the loss and accumulate metrics on the device
                  freeze_gc:bool=True,               # Python's collector passes over the fit's own objects only (`GCFreeze`)
                  broadcast_buffers:bool=False,      # under DDP, rank 0's BatchNorm statistics sent at every forward (DDP's way); False: before each validation (`BuffersAtValidation`)
+                 whole_step:bool=True,              # capture the loss and the backward (DDP's all-reduce included) with the forward, as one graph, where no callback works between them (`whole_refusal`); False: the model's forward and backward only
                 ):
         if graph not in (True, False, 'auto'):
             raise ValueError(f"FastStep(graph={graph!r}): graph is True (always capture), False (never) or 'auto' (the default: "
                              "capture when the captured step trains faster)")
-        store_attr('graph,channels_last,fused,device_metrics,freeze_gc,broadcast_buffers')
+        store_attr('graph,channels_last,fused,device_metrics,freeze_gc,broadcast_buffers,whole_step')
         self._buffers = None # under DDP: `BuffersAtValidation` for the fit under way
         self._warned,self.capture,self._saved = set(),None,None # `validate` and `get_preds` may come before any fit
         self.verdicts = {} # `graph='auto'`: each race's winner, for the fits after it (`StepRace.recall`)
@@ -237,12 +238,19 @@ class FastStep(Callback):
         n = _rank_batches(self.learn.dls.train)
         short = n is not None and self.learn.n_epoch*n < RACE_FROM
         race = (StepRace.won_by('graph') if finding or short else StepRace()) if self.graph == 'auto' else None
-        self.capture = GraphCapture(self.learn, self._warn, race) if self.graph else None
+        # the step is captured whole unless a callback works between its forward and its optimizer (`whole_refusal`): these two only at validation or on the loss's type
+        self.capture = GraphCapture(self.learn, self._warn, race, allowed=(FastStep, DaliDistributed), whole=self.whole_step) if self.graph else None
 
     def after_loss(self):
-        "The training loss as a plain tensor: fastai's loss classes return a `TensorBase`, whose every op (the backward, the smoothing) goes through Python"
-        if not self.training or not isinstance(getattr(self.learn, 'loss_grad', None), TensorBase): return
+        "The training loss as a plain tensor: fastai's loss classes return a `TensorBase`, whose every op (the backward, the smoothing) goes through Python; a replayed whole step's own"
+        if not self.training: return
+        if self.capture and self.capture.step_loss is not None: # what the graph trained on (fastai's loss of the returned prediction is the same number)
+            self.learn.loss_grad,self.learn.loss = self.capture.step_loss,self.capture.step_loss.clone(); return
+        if not isinstance(getattr(self.learn, 'loss_grad', None), TensorBase): return
         self.learn.loss_grad,self.learn.loss = self.loss_grad.as_subclass(torch.Tensor),self.loss.as_subclass(torch.Tensor)
+    def before_backward(self):
+        "A replayed whole step ran its backward, DDP's all-reduce included: the gradients are there for the optimizer"
+        if self.training and self.capture and self.capture.step_loss is not None: raise CancelBackwardException()
 
     def before_train(self):
         say_sync_bn(self.learn) # once a process; fastai's DistributedTrainer has made its SyncBatchNorms by now

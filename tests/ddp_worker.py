@@ -44,7 +44,7 @@ class Record(Callback):
         "What `FastStep(graph=True)` captured (read before its `after_fit` lets the graphs go)"
         fs = getattr(self.learn, 'fast_step', None)  # fastai names each callback on its learner
         cap = fs and fs.capture
-        self.graphs = None if cap is None else dict(n=len(cap.graphs), failed=cap.failed, race=cap.race and cap.race.winner)
+        self.graphs = None if cap is None else dict(n=len(cap.graphs), failed=cap.failed, race=cap.race and cap.race.winner, whole=cap.whole)
         self.forward_sync.append(getattr(self.learn.model, 'broadcast_buffers', None))  # DDP's broadcast of the buffers at each forward
         self.bucket_views = getattr(self.learn.model, 'gradient_as_bucket_view', None)
     def after_validate(self):

@@ -385,11 +385,109 @@ def test_a_failed_capture_trains_on_uncaptured_dropout_included(tmp_path):
     with quiet(learn), warnings.catch_warnings(record=True) as w:
         warnings.simplefilter('always'); learn.fit(2, 1e-2)
     said = [str(x.message) for x in w if 'FastStep(graph=True)' in str(x.message)]
-    assert len(said) == 1 and 'capturing the model failed' in said[0], said
+    # the step captured whole fails at the host read, then the model's own capture does
+    assert len(said) == 2 and 'capturing the step failed' in said[0] and 'capturing the model failed' in said[1], said
+    assert "the model's forward and backward are captured instead" in said[0] and 'uncaptured fast step' in said[1], said
     assert '(at test_faststep.py:' in said[0] and 'in forward)' in said[0], f"the host read's line is named: {said[0]}"
     assert len(learn.recorder.losses) == 6 and all(torch.isfinite(l) for l in learn.recorder.losses)
     assert torch.nn.functional.dropout(torch.ones(8, device='cuda'), 0.5).isfinite().all()  # the generator works after the fit
     assert torch.cuda.current_stream() == torch.cuda.default_stream()  # not the failed capture's stream (fastai's loaders set none)
+
+
+# ---------------------------------------------------------------- the step captured whole, or the model alone
+
+def test_what_keeps_the_step_from_one_graph_is_named(tmp_path):
+    """The forward, the loss and the backward are one graph with fastai's or PyTorch's loss classes and callbacks known to
+    work around it; a loss function of another kind (MixUp's, a lambda), fp16's loss scaling or a callback between the
+    forward and the optimizer (GradientAccumulation) is named, and then the model alone is captured"""
+    from fastai.callback.fp16 import MixedPrecision
+    from fastai.callback.mixup import MixUp
+    from fastai.callback.training import GradientClip
+    from dali_fastai.capture import whole_refusal
+    def why(loss_func=CrossEntropyLossFlat(), cbs=()):
+        learn = Learner(make_dls(), small_cnn(), loss_func=loss_func, path=tmp_path, cbs=[FastStep(), *cbs])
+        return whole_refusal(learn, allowed=(FastStep,))
+    assert why() is None and why(nn.CrossEntropyLoss()) is None
+    assert why(cbs=[MixedPrecision(amp_mode='bf16'), GradientClip()]) is None
+    assert why(cbs=[MixedPrecision()]) == "fp16's loss scaling (GradScaler) runs outside the step"
+    assert why(cbs=[GradientAccumulation(8)]) == 'GradientAccumulation runs at after_loss, before_step, between the forward and the optimizer'
+    assert 'loss function (MixHandler.lf)' in why(MixUp().lf) and '<lambda>) is not one of' in why(lambda p,y: p.sum())
+    learn = Learner(make_dls(), small_cnn(), loss_func=CrossEntropyLossFlat(), path=tmp_path, cbs=[FastStep()])
+    assert 'FastStep runs at after_loss, before_backward' in whole_refusal(learn), "FastStep's own events are allowed by FastStep only"
+
+
+def test_the_optimizer_leaves_the_gradients_a_whole_step_graph_writes(dls, tmp_path):
+    "`FastOptimizer.keep_grads`: while a whole-step graph writes the gradients at each replay, `zero_grad` leaves them where they are"
+    learn = learner(dls, tmp_path)
+    learn.create_opt(); learn.opt = FastOptimizer.from_fastai(learn.opt, torch_step(learn.opt))
+    for p in learn.model.parameters(): p.grad = torch.ones_like(p)
+    grads = [p.grad for p in learn.model.parameters()]
+    learn.opt.keep_grads = True; learn.opt.zero_grad()
+    assert all(p.grad is g for p,g in zip(learn.model.parameters(), grads))
+    learn.opt.keep_grads = False; learn.opt.zero_grad()
+    assert all(p.grad is None for p in learn.model.parameters())
+
+
+class _Whole(Callback):
+    "What `FastStep`'s `GraphCapture` did by the end of each training pass (read before `after_fit` lets it go)"
+    order = FastStep.order + 1
+    def before_fit(self): self.seen = []
+    def after_train(self):
+        cap = self.learn.fast_step.capture
+        if cap is not None: self.seen.append(dict(whole=cap.whole, graphs=len(cap.graphs), uncaptured=cap.uncaptured, failed=cap.failed))
+
+
+@needs_gpu('FastStep(graph=True) captures on a CUDA device')
+@pytest.mark.parametrize('amp', [None, 'bf16'])
+def test_the_step_captured_whole_trains_as_the_uncaptured_step(tmp_path, amp):
+    """The forward, the loss and the backward replayed as one graph after `WHOLE_WARMUP` uncaptured batches, the last
+    batch (another shape) uncaptured with its gradients from zero: the weights and the recorded losses are those of the
+    uncaptured step, with and without bf16's autocast"""
+    from fastai.data.core import DataLoaders
+    from fastai.data.load import DataLoader
+    from dali_fastai.capture import WHOLE_WARMUP
+    g = torch.Generator().manual_seed(0)
+    ds = list(zip(torch.randn(50, 3, 16, 16, generator=g), torch.randint(0, 2, (50,), generator=g)))
+    def fit(graph):
+        dls = DataLoaders(DataLoader(ds[:42], bs=4), DataLoader(ds[42:], bs=4))  # no shuffle: the same batches; the 11th has 2
+        seen = _Whole()
+        learn = Learner(dls, small_cnn(2).cuda(), loss_func=CrossEntropyLossFlat(), path=tmp_path, cbs=[FastStep(graph=graph), seen])
+        if amp: learn.to_bf16()
+        with quiet(learn), warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter('always'); learn.fit(2, 1e-2)
+        assert not [x for x in w if 'FastStep' in str(x.message)], [str(x.message) for x in w]
+        return torch.cat([p.detach().flatten() for p in learn.model.parameters()]),torch.stack(learn.recorder.losses).float().cpu(),seen.seen
+    (eager,eager_losses,_),(whole,losses,seen) = fit(False),fit(True)
+    # 3 uncaptured to warm up, then the 11th batch of each epoch (2 images)
+    assert seen == [dict(whole=True, graphs=1, uncaptured=WHOLE_WARMUP + 1, failed=None), dict(whole=True, graphs=1, uncaptured=WHOLE_WARMUP + 2, failed=None)], seen
+    assert torch.allclose(whole, eager, rtol=1e-3, atol=1e-4), (whole - eager).abs().max()
+    assert torch.allclose(losses, eager_losses, rtol=1e-3, atol=1e-4)
+
+
+@needs_gpu('FastStep(graph=True) captures on a CUDA device')
+@pytest.mark.parametrize('case', ['accumulation', "fastai's optimizer, the model's graph", "fastai's optimizer, the step's graph"])
+def test_gradients_that_add_up_train_as_uncaptured(tmp_path, case):
+    """Where gradients are added to between backwards, the captured step trains as the uncaptured one: GradientAccumulation
+    (the step is not one graph: the model's forward and backward are captured) and fastai's own optimizer (it zeroes them in
+    place: a parameter must not take the replayed backward's buffer as its gradient, which the next replay overwrites)"""
+    from fastai.data.core import DataLoaders
+    from fastai.data.load import DataLoader
+    g = torch.Generator().manual_seed(0)
+    ds = list(zip(torch.randn(48, 3, 16, 16, generator=g), torch.randint(0, 2, (48,), generator=g)))
+    accumulate,fastai_opt = case == 'accumulation',case.startswith("fastai's")
+    def fit(graph):
+        dls = DataLoaders(DataLoader(ds[:40], bs=4), DataLoader(ds[40:], bs=4))
+        seen = _Whole()
+        fs = FastStep(graph=graph, fused=not fastai_opt, whole_step=case != "fastai's optimizer, the model's graph")
+        learn = Learner(dls, small_cnn(2).cuda(), loss_func=CrossEntropyLossFlat(), path=tmp_path, opt_func=SGD,
+                        cbs=[fs, *([GradientAccumulation(8)] if accumulate else []), seen])
+        with quiet(learn): learn.fit(1, 0.1)
+        assert isinstance(learn.opt, Optimizer if fastai_opt else FastOptimizer)
+        return torch.cat([p.detach().flatten() for p in learn.model.parameters()]),seen.seen
+    (eager,_),(graphed,seen) = fit(False),fit(True)
+    whole = case == "fastai's optimizer, the step's graph"
+    assert seen == [dict(whole=whole, graphs=1, uncaptured=3 if whole else 0, failed=None)], seen
+    assert torch.allclose(graphed, eager, rtol=1e-3, atol=1e-5), (graphed - eager).abs().max()
 
 
 # ---------------------------------------------------------------- graph='auto': capture when it is faster
@@ -547,7 +645,7 @@ def test_capture_right_after_the_gpu_libraries_thread_starts(monkeypatch):
     model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
                           nn.Linear(8, 2)).cuda()
     warned = []
-    cap = GraphCapture(SimpleNamespace(model=model), warned.append); cap.install()
+    cap = GraphCapture(SimpleNamespace(model=model), warned.append, whole=False); cap.install()  # the model's capture, at its first batch
     model(torch.randn(4, 3, 16, 16, device='cuda')).sum().backward()
     assert not warned and cap.graphs, warned
     assert not any(t.is_alive() for t in epoch._STARTING.values()), "the capture waited for the thread to end"

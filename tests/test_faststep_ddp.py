@@ -222,6 +222,57 @@ def test_validation_through_ddp_replays_the_module_inside(group, tmp_path):
         "the graphs captured in the fit, replayed through another DDP"
 
 
+# ---------------------------------------------------------------- the captured step through DDP's wrapping, one GPU
+
+@pytest.fixture
+def nccl_group():
+    "A one-process NCCL group on the first GPU, torn down after the test"
+    with socket.socket() as s: s.bind(('127.0.0.1', 0)); port = s.getsockname()[1]
+    dist.init_process_group('nccl', init_method=f'tcp://127.0.0.1:{port}', rank=0, world_size=1, device_id=torch.device('cuda', 0))
+    try: yield
+    finally: dist.destroy_process_group()
+
+
+class _AsFastaiWraps(DistributedTrainer):
+    """fastai's DistributedTrainer as `DaliDistributed` and `FastStep` see it (among the callbacks; DDP built at its
+    `before_fit`, after theirs), without its Accelerator, which wraps nothing in a one-process group; `ddp`: DDP's arguments"""
+    order = DistributedTrainer.order
+    def __init__(self, **ddp): self.ddp = ddp
+    def before_fit(self): self.learn.model = DistributedDataParallel(self.learn.model, **self.ddp)
+    def after_fit(self): self.learn.model = self.learn.model.module
+    def before_train(self): pass
+    def before_validate(self): pass
+
+
+@needs_gpu("FastStep(graph=True) captures the step on a CUDA device")
+@pytest.mark.parametrize('bucket_view', [False, True], ids=['ddp-default', 'bucket-views'])
+def test_step_captured_through_ddp_trains_as_without_it(nccl_group, files, tmp_path, bucket_view):
+    """`FastStep(graph=True)` with the model wrapped in DDP as fastai wraps it (NCCL, one process): the step captured whole,
+    DDP's all-reduce inside the graph, after DDP's warm-up steps, no fallback (`DaliDistributed` made the gradient nodes DDP
+    keeps on the loader's stream: made on the default stream they break the capture), with DDP's buckets copied into or,
+    `gradient_as_bucket_view=True`, the gradients themselves; the weights those of the step with no DDP, same batches"""
+    from dali_fastai.loader import DaliDataLoader
+    from helpers import index_items
+    from test_faststep import small_cnn
+    def fit(*wrap):
+        # 8 batches an epoch, 16 in the fit: the step is captured after DDP's 11 (`DDP_WARMUP`)
+        train = DaliDataLoader(index_items(files[:64]), bs=8, size=8, train=True, device='gpu', warp_mode=None, seed=0)
+        dls = DaliDataLoaders(train, DaliDataLoader(index_items(files[64:80]), bs=8, size=8, device='gpu'), path=tmp_path, device=train.device)
+        rec = ddp_worker.Record()
+        learn = Learner(dls, small_cnn(MAX_INDEX).cuda(), loss_func=CrossEntropyLossFlat(), path=tmp_path,
+                        cbs=[DaliDistributed(), FastStep(graph=True), rec, *wrap])
+        with learn.no_bar(), warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter('always'); learn.fit(2, 1e-2)
+        said = [str(x.message) for x in w if 'FastStep' in str(x.message) or 'AccumulateGrad' in str(x.message)]
+        for dl in dls.loaders: dl.close()
+        return torch.cat([p.detach().flatten() for p in learn.model.parameters()]),rec,said
+    alone,_,_ = fit()
+    wrapped,rec,said = fit(_AsFastaiWraps(gradient_as_bucket_view=bucket_view))
+    assert not said and rec.graphs == dict(n=1, failed=None, race=None, whole=True), (said, rec.graphs)
+    assert rec.bucket_views is bucket_view and rec.seen['train'][0], "trained through DDP, built as asked"
+    assert torch.allclose(wrapped, alone, rtol=1e-4, atol=1e-6), (wrapped - alone).abs().max()
+
+
 # ---------------------------------------------------------------- the SyncBatchNorm note
 
 class _FakeDDP(DistributedTrainer):
@@ -294,7 +345,7 @@ def test_ddp_bench_has_a_graph_row_and_scales_to_every_count(tmp_path, monkeypat
     assert len(runs) == 2*len(ddp.CASES) - 1, "sync_bn on one GPU is the row before it"
     ddp.compare([1, 2], ['--bs', '8'], 8, out)
     assert len(runs) == 2*len(ddp.CASES) - 1, "a second run skips the cases kept in --out"
-    runs.clear(); ddp.compare([1, 4], ['--bs', '8'], 8, tmp_path/'some.json', cases=[2, 10])
+    runs.clear(); ddp.compare([1, 4], ['--bs', '8'], 8, tmp_path/'some.json', cases=[2, 11])
     assert runs == [(1, ('--bs', '8', '--synthetic')), (4, ('--bs', '8', '--synthetic')), (1, ('--bs', '8', '--sync-bn')),
                     (4, ('--bs', '8', '--sync-bn'))], "only the cases asked for; sync_bn on one GPU runs when the row above did not"
     t = ddp.table(json.loads(out.read_text()), [1, 2], 8)
@@ -332,9 +383,9 @@ def test_ddp_bench_gives_bucket_views_to_faststep_cases_only(tmp_path, monkeypat
     runs = []
     monkeypatch.setattr(ddp, 'run_case', lambda n, args: runs.append(tuple(args)) or 1.0)
     monkeypatch.chdir(tmp_path)
-    for cases in ('1', '7,9', None):
+    for cases in ('1', '7,10', None):
         monkeypatch.setattr(sys, 'argv', ['ddp_bench.py', '--compare', '1', '--bucket-view', '--n-per-class', '4', *(['--cases', cases] if cases else [])])
-        with pytest.raises(SystemExit, match=r'--cases among 6,7,8\)'): ddp.main()
+        with pytest.raises(SystemExit, match=r'--cases among 6,7,8,9\)'): ddp.main()
     for case in (['--synthetic', '--graph'], ['--plain-dali'], []):  # one case, no --compare: refused before any work too
         monkeypatch.setattr(sys, 'argv', ['ddp_bench.py', '--bucket-view', *case])
         with pytest.raises(SystemExit, match="FastStep's fastai cases only"): ddp.main()

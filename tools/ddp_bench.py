@@ -90,11 +90,12 @@ def fit_epochs(dls, epochs:int, world:int, sync_bn:bool, bar:bool=True, fused:bo
                arch:str='resnet50', # the model, one of `ARCHS`
                broadcast_buffers:bool=False, # `FastStep(broadcast_buffers=...)`: DDP's broadcast of BatchNorm's statistics at every forward
                bucket_view:bool=False, # DDP built with `gradient_as_bucket_view=True` (FastStep cases only: `VIEWS_REFUSED`)
+               whole_step:bool=True, # `FastStep(whole_step=...)`: the loss and the backward (DDP's all-reduce) in the forward's graph
               )->list:
     "Wall time of the training phase of each of `epochs` epochs of an `arch` (bf16, channels_last) fit, and `start_costs` after it"
     timer,wait = EpochTimer(),LoaderWait()
     kw = dict(opt_func=partial(OptimWrapper, opt=torch.optim.AdamW, fused=True)) if fused else {}
-    cbs = [DaliDistributed(), timer, wait, *([FastStep(graph=graph, broadcast_buffers=broadcast_buffers)] if fast_step or graph else [])]
+    cbs = [DaliDistributed(), timer, wait, *([FastStep(graph=graph, broadcast_buffers=broadcast_buffers, whole_step=whole_step)] if fast_step or graph else [])]
     learn = vision_learner(dls, ARCHS[arch], metrics=accuracy, pretrained=False, cbs=cbs, **kw).to_bf16()
     learn.model = learn.model.to(memory_format=torch.channels_last)
     # one GPU: a plain fit (fastai's DistributedTrainer assumes a DDP-wrapped model, which one process does not get)
@@ -164,6 +165,7 @@ CASES = [('the sharded loader alone', ['--loader-only']),
          ('fastai + dali_fastai + FastStep(graph=False), `distrib_ctx(sync_bn=False)`', ['--fast-step']),
          ('fastai + dali_fastai + FastStep(graph=True), `distrib_ctx(sync_bn=False)`', ['--fast-step', '--graph']),
          ("fastai + dali_fastai + FastStep(graph='auto') (its default), `distrib_ctx(sync_bn=False)`", ['--fast-step', '--auto']),
+         ('fastai + dali_fastai + FastStep(graph=True, whole_step=False), the model alone captured (DDP\'s all-reduce not)', ['--fast-step', '--graph', '--model-graph']),
          ('fastai + dali_fastai, `distrib_ctx(sync_bn=False)`', []),
          ("fastai + dali_fastai, `distrib_ctx()` (fastai's default `sync_bn=True`)", ['--sync-bn'])]
 # the cases `--bucket-view` applies to: FastStep's PyTorch optimizer takes DDP's bucket views, fastai's own refuses them
@@ -291,6 +293,8 @@ def main():
                    "at every forward (its default), not only before validation (FastStep's)")
     p.add_argument('--bucket-view', action='store_true', help="FastStep cases: DDP built with gradient_as_bucket_view=True (no "
                    "copy of each gradient back from DDP's buckets after the all-reduce; tools/ddp_overlap.py --wrap-one measures it on one GPU)")
+    p.add_argument('--model-graph', action='store_true', help="FastStep cases: FastStep(whole_step=False), the model's forward and "
+                   "backward captured alone (DDP's hooks all-reduce uncaptured), as before 2026-11-29; else the step is one graph where it can be")
     p.add_argument('--decoder-cost', type=float, default=None, help="decode_on='auto': price the GPU decoder's start at this "
                    "many seconds of the host's waits (default: gpu_decoder_cost's), to see the move and its one-epoch trial in a short run")
     p.add_argument('--result', default=None, help='rank 0 writes {"img_s": ...} here')
@@ -330,10 +334,10 @@ def main():
     else:
         graph = 'auto' if a.auto else a.graph
         times,costs,each = fit_epochs(dls, a.epochs, world, a.sync_bn, bar=not a.no_bar, fused=a.fused_adamw, fast_step=a.fast_step or a.auto,
-                           graph=graph, arch=a.arch, broadcast_buffers=a.broadcast_buffers, bucket_view=a.bucket_view)
+                           graph=graph, arch=a.arch, broadcast_buffers=a.broadcast_buffers, bucket_view=a.bucket_view, whole_step=not a.model_graph)
         what = (f"{a.arch} bf16, fastai + dali_fastai, sync_bn={a.sync_bn}{', no progress bar' if a.no_bar else ''}"
                 f"{', fused AdamW' if a.fused_adamw else ''}{f', FastStep(graph={graph!r})' if a.fast_step or a.graph or a.auto else ''}"
-                f"{', buffers broadcast each forward' if a.broadcast_buffers else ''}{', gradients as bucket views' if a.bucket_view and world > 1 else ''}")
+                f"{', buffers broadcast each forward' if a.broadcast_buffers else ''}{', gradients as bucket views' if a.bucket_view and world > 1 else ''}{', the model alone captured' if a.model_graph else ''}")
     img_s = n_imgs*world*(len(times)-1)/sum(times[1:])
     whole = n_imgs*world*len(times)/sum(times)  # what the user waits for: the first epoch (builds, capture, cuDNN) included
     if a.result and rank == 0: Path(a.result).write_text(json.dumps({'img_s': img_s, 'whole_img_s': whole}))

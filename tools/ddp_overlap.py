@@ -9,7 +9,9 @@ DDP replayed as one CUDA graph (`torch.cuda.make_graphed_callables`, as `FastSte
 comes when the whole backward has replayed, so every all-reduce waits for it); `chunks` the same model as a sequence of
 `--chunks` parts (`chunks8`: 8) captured together (`make_graphed_callables` of a tuple), so each part's gradients reach DDP's hooks
 while the earlier parts' backward replays; a case ending `-view` builds DDP with `gradient_as_bucket_view=True`, one
-ending `-nobcast` with `broadcast_buffers=False`. On one GPU the model is not wrapped in DDP, unless `--wrap-one`. Rank 0 prints img/s a GPU, the
+ending `-nobcast` with `broadcast_buffers=False`; `whole` captures the forward, the loss and the backward in one graph, DDP's
+gradient all-reduce and buffer broadcast inside it (after 11 uncaptured steps, DDP built on the steps' stream, as PyTorch's
+CUDA graphs notes ask for DDP): no DDP hook runs on the host at a replay. On one GPU the model is not wrapped in DDP, unless `--wrap-one`. Rank 0 prints img/s a GPU, the
 all-reduce of the model's gradients alone (ms), and whether the weights agree across ranks."""
 import argparse, re, time
 import torch
@@ -50,14 +52,24 @@ def capture(parts:list, x:torch.Tensor):
         torch.cuda.make_graphed_callables(tuple(parts), tuple(samples), allow_unused_input=True)
 
 
+def whole(ddp, opt, x:torch.Tensor, y:torch.Tensor, stream)->callable:
+    "The forward, the loss and the backward, DDP's all-reduce included, captured as one CUDA graph on `stream`: a step is its replay and the optimizer's step"
+    g = torch.cuda.CUDAGraph()
+    opt.zero_grad(set_to_none=True)  # the captured backward makes the gradients, in the graph's memory: each replay writes them anew
+    with torch.cuda.graph(g, stream=stream), torch.autocast('cuda', dtype=torch.bfloat16, cache_enabled=False):
+        F.cross_entropy(ddp(x), y).backward()
+    def step(): g.replay(); opt.step()
+    return step
+
+
 def run(case:str, bs:int, chunks:int, world:int, dev, wrap_one:bool=False)->tuple:
     torch.manual_seed(0)
     seq = sequential(torchvision.models.resnet50(num_classes=10)).to(dev, memory_format=torch.channels_last)
     # '-nobcast': DDP does not broadcast the BatchNorm statistics at every forward; '-view': `gradient_as_bucket_view=True`
     # (the gradients are views of DDP's buckets: no copy of them back from the buckets after the all-reduce)
     name,*flags = case.split('-')
-    if not (name in ('eager', 'captured') or re.fullmatch(r'chunks\d*', name)) or not set(flags) <= {'nobcast', 'view'}:
-        raise SystemExit(f"--cases {case}: eager, captured or chunks[N], then any of -nobcast and -view")
+    if not (name in ('eager', 'captured', 'whole') or re.fullmatch(r'chunks\d*', name)) or not set(flags) <= {'nobcast', 'view'}:
+        raise SystemExit(f"--cases {case}: eager, captured, whole or chunks[N], then any of -nobcast and -view")
     parts = split(seq, int(name[6:] or chunks) if name.startswith('chunks') else 1)  # 'chunks8': 8 parts
     model = nn.Sequential(*parts)
     # the steps run on a stream of their own, where the parameters' AccumulateGrad nodes are made before DDP keeps them
@@ -75,8 +87,9 @@ def run(case:str, bs:int, chunks:int, world:int, dev, wrap_one:bool=False)->tupl
         loss.backward(); opt.step(); opt.zero_grad(set_to_none=False)
     side.wait_stream(torch.cuda.current_stream(dev))
     with torch.cuda.stream(side):
-        for _ in range(3): step()
-        if name != 'eager': capture(parts, x)
+        for _ in range(11 if name == 'whole' else 3): step()  # DDP's buckets settle after its first steps: 11, as PyTorch's notes ask
+        if name == 'whole': step = whole(ddp, opt, x, y, side)
+        elif name != 'eager': capture(parts, x)
         for _ in range(5): step()
         torch.cuda.synchronize(); start = time.perf_counter()
         for _ in range(30): step()

@@ -267,6 +267,14 @@ MUTANTS = [
                 "under DDP a fit's validations run the inference forward uncaptured (killed on a GPU only)"),
     ('capture', "    while len(chain) < 4 and (c := chain[-1].__cause__ or chain[-1].__context__) is not None: chain.append(c)", "    pass",
                 "a failed capture says only capture_end's 'operation failed due to a previous error', not what broke it"),
+    ('capture', "        if at := [e for e in STEP_EVENTS if callable(getattr(type(cb), e, None))]:", "        if at := []:",
+                "GradientAccumulation's step is captured whole: its accumulated gradients are overwritten at each replay"),
+    ('fastopt', "        if not self.keep_grads: self.opt.zero_grad(set_to_none=True)", "        self.opt.zero_grad(set_to_none=True)",
+                "the optimizer drops the gradients a whole-step graph writes: the next step finds none and skips every parameter"),
+    ('capture', "                if p.grad is None and p.requires_grad: p.grad = torch.zeros_like(p)", "                pass",
+                "with fastai's own optimizer the model's replayed backward doubles the gradients from the second step (killed on a GPU only)"),
+    ('capture', "        for s,t in zip((*sx, *sy), (*xs, *ys)): s.copy_(t)", "        for s,t in zip(sx, xs): s.copy_(t)",
+                "a replayed whole step trains every batch on the targets it was captured with (killed on a GPU only)"),
 ]
 
 FAST = ['tests/test_defaults.py', 'tests/test_augment_stats.py']
