@@ -216,7 +216,12 @@ class GraphCapture:
     def _uncaptured(self, *args):
         "The batch through the model as fastai calls it (DDP's forward included, the module's capture where installed)"
         m = self.learn.model
-        return type(m).forward(m, *args)
+        try: return type(m).forward(m, *args)
+        except RuntimeError as e:
+            if not isinstance(m, DistributedDataParallel): raise
+            # a capture that failed after DDP's forward (in the loss) left DDP waiting for that step's backward
+            raise RuntimeError(f"{self._who}: DDP cannot go on after the step's capture failed ({self.whole_failed}): train with "
+                               "FastStep(whole_step=False), which captures the model's forward and backward alone") from e
     def install(self):
         "Replay the training step: on the model as fastai calls it (DDP's wrapping included) when the step is captured whole, else on the module inside"
         if self.failed or (self.race and self.race.winner == 'eager'): return
@@ -318,7 +323,8 @@ class GraphCapture:
         ys = tuple(y.as_subclass(torch.Tensor) for y in self.learn.yb if isinstance(y, torch.Tensor))
         key = tuple((t.shape, t.dtype, t.device) for t in (*xs, *ys))
         if key not in self.graphs:
-            if self.graphs or self.uncaptured < self._warmup() or len(ys) != len(self.learn.yb):
+            # fastai computes no loss and takes no step for a batch without targets
+            if self.graphs or self.uncaptured < self._warmup() or not ys or len(ys) != len(self.learn.yb):
                 self.uncaptured += 1
                 # one graph writes the gradients; a batch of another shape accumulates into them: zeroed first
                 if self.graphs: torch._foreach_zero_([p.grad for p in self.learn.model.parameters() if p.grad is not None])
