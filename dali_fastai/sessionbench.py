@@ -115,7 +115,7 @@ def session_run(variant:str, # one of `VARIANTS`
                 loader_settings:dict|None=None, # more `DaliDataLoaders.from_dblock` settings for dali_fastai's variants
                )->dict: # each phase's seconds and `start_costs`, each fit's epochs', the validation accuracy and the pipelines built
     "One user's session in this process, each phase timed: loaders and learner, `lr_find`, `fine_tune`, `get_preds`, `predict`"
-    if variant not in (*VARIANTS, MODEL_GRAPH): raise ValueError(f"variant must be one of {(*VARIANTS, MODEL_GRAPH)}, got {variant!r}")
+    if variant not in (runnable := (*VARIANTS, MODEL_GRAPH)): raise ValueError(f"variant must be one of {runnable}, got {variant!r}")
     t,src,db = _task_data('classification', root, size)
     device,clock,phases = as_device(device),time.perf_counter,{}
     start = clock()

@@ -81,7 +81,7 @@ def main(decode_on:str='auto', keep_batches:bool=True, eager_forward:bool=False,
           f"inference forwards replayed {fs.forwards.replays if fs.forwards else 0}; captures {fs.capture_seconds:.2f} s")
     for said in sorted(fs._warned): print(f"  FastStep said: {said}")
     if ddp: return  # the step's side-by-side rates are one GPU's
-    if wrap_ddp: return _wrapped_steps(learn, wrap, _quiet, learner_throughput)
+    if wrap_ddp: return _wrapped_steps(learn, wrap)
     steps = {}
     syn = DataLoaders(SyntheticLoader(64, 224, dls.c, device, n=60), SyntheticLoader(64, 224, dls.c, device, n=2), device=device)
     real_dls = learn.dls
@@ -94,14 +94,16 @@ def main(decode_on:str='auto', keep_batches:bool=True, eager_forward:bool=False,
                                      for k,v in steps.items()) + f", the loader alone {loader:,.0f}")
 
 
-def _wrapped_steps(learn, wrap, quiet, learner_throughput):
+def _wrapped_steps(learn, wrap):
     "The step fed by the training loader, side by side: the model unwrapped, wrapped in DDP, wrapped with bucket views; ends the group"
     import torch
+    from dali_fastai.sessionbench import _quiet
+    from dali_fastai.measure import learner_throughput
     rates = {}
     for name,views in (('unwrapped', None), ('DDP', False), ('DDP, bucket views', True), ('unwrapped again', None)):
         wrap.views = views
         try:
-            with quiet(learn): rates[name] = f"{learner_throughput(learn, n_batches=40, warmup=10, passes=3):,.0f}"
+            with _quiet(learn): rates[name] = f"{learner_throughput(learn, n_batches=40, warmup=10, passes=3):,.0f}"
         except RuntimeError as e: rates[name] = f"failed ({str(e).splitlines()[0]})"
     torch.distributed.destroy_process_group()
     print("  images/s, the step fed by the training loader: " + ', '.join(f"{k} {v}" for k,v in rates.items()))

@@ -267,7 +267,7 @@ MUTANTS = [
                 "under DDP a fit's validations run the inference forward uncaptured (killed on a GPU only)"),
     ('capture', "    while len(chain) < 4 and (c := chain[-1].__cause__ or chain[-1].__context__) is not None: chain.append(c)", "    pass",
                 "a failed capture says only capture_end's 'operation failed due to a previous error', not what broke it"),
-    ('capture', "        if at := [e for e in STEP_EVENTS if callable(getattr(type(cb), e, None))]:", "        if at := []:",
+    ('capture', "        if at := _works_at(cb, STEP_EVENTS):", "        if at := []:",
                 "GradientAccumulation's step is captured whole: its accumulated gradients are overwritten at each replay"),
     ('fastopt', "        if not self.keep_grads: self.opt.zero_grad(set_to_none=True)", "        self.opt.zero_grad(set_to_none=True)",
                 "the optimizer drops the gradients a whole-step graph writes: the next step finds none and skips every parameter"),
