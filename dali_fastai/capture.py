@@ -209,7 +209,7 @@ class GraphCapture:
 
     def before_batch(self):
         "`graph='auto'`: a training batch for the race; once the uncaptured step has won it, the graphs go"
-        self.step_loss = None # the loss of a batch whose whole step was replayed, for `after_loss`
+        self.step_loss = None # the loss of a batch whose whole step was replayed, which `FastStep` hands fastai
         if self.race is None or self.failed: return
         self.race.before_batch()
         if self.race.winner == 'eager' and (self.graphs or self.target is not None): self.release()
@@ -315,7 +315,7 @@ class GraphCapture:
         self.install()
 
     def _replay(self, key:tuple, xs:tuple, ys:tuple):
-        "This batch's step: its inputs and targets in the graph's, the graph replayed; the loss kept for `after_loss`, the prediction returned"
+        "This batch's step: its inputs and targets in the graph's, the graph replayed; the loss kept for `FastStep` to hand fastai, the prediction returned"
         graph,sx,sy,pred,loss = self.graphs[key]
         for s,t in zip((*sx, *sy), (*xs, *ys)): s.copy_(t)
         graph.replay()

@@ -170,6 +170,7 @@ class FastStep(Callback):
         store_attr('graph,channels_last,fused,device_metrics,freeze_gc,broadcast_buffers,whole_step')
         self._buffers = None # under DDP: `BuffersAtValidation` for the fit under way
         self._warned,self.capture,self._saved = set(),None,None # `validate` and `get_preds` may come before any fit
+        self._loss_func = None # fastai's loss function, while `after_pred` has lent a replayed step's loss in its place
         self.verdicts = {} # `graph='auto'`: each race's winner, for the fits after it (`StepRace.recall`)
         self.race_seconds = {} # and each race's timed stretches, {'eager': s, 'graph': s}, by the same key
         self._captured = 0. # the seconds of the fits' captures whose graphs are gone
@@ -225,6 +226,7 @@ class FastStep(Callback):
 
     def before_fit(self):
         if self._buffers: self._buffers.restore(send=False); self._buffers = None # a fit that failed left DDP's broadcast off
+        self._loss_func_back() # and, stopped between a replay and its loss, the graph's loss in place of fastai's loss function
         self._host_metrics() # a fit that stopped on an exception left them swapped
         self._let_capture_go() # and its graphs
         if self.forwards: self.forwards.remove() # a validation that stopped on an exception left it installed
@@ -241,12 +243,18 @@ class FastStep(Callback):
         # the step is captured whole unless a callback works between its forward and its optimizer (`whole_refusal`): these two only at validation or on the loss's type
         self.capture = GraphCapture(self.learn, self._warn, race, allowed=(FastStep, DaliDistributed), whole=self.whole_step) if self.graph else None
 
+    def after_pred(self):
+        "A replayed whole step computed its loss in the graph: fastai's loss function gives that one, until `after_loss`, instead of computing it again"
+        if not (self.training and self.capture and self.capture.step_loss is not None): return
+        if self._loss_func is None: self._loss_func = self.learn.loss_func # not a lent one left by a batch cancelled after its forward
+        loss = self.capture.step_loss
+        self.learn.loss_func = lambda *args, **kwargs: loss
+    def _loss_func_back(self):
+        if self._loss_func is not None: self.learn.loss_func,self._loss_func = self._loss_func,None
     def after_loss(self):
-        "The training loss as a plain tensor: fastai's loss classes return a `TensorBase`, whose every op (the backward, the smoothing) goes through Python; a replayed whole step's own"
-        if not self.training: return
-        if self.capture and self.capture.step_loss is not None: # what the graph trained on (fastai's loss of the returned prediction is the same number)
-            self.learn.loss_grad,self.learn.loss = self.capture.step_loss,self.capture.step_loss.clone(); return
-        if not isinstance(getattr(self.learn, 'loss_grad', None), TensorBase): return
+        "fastai's loss function back; the training loss as a plain tensor: fastai's loss classes return a `TensorBase`, whose every op (the backward, the smoothing) goes through Python"
+        self._loss_func_back()
+        if not self.training or not isinstance(getattr(self.learn, 'loss_grad', None), TensorBase): return
         self.learn.loss_grad,self.learn.loss = self.loss_grad.as_subclass(torch.Tensor),self.loss.as_subclass(torch.Tensor)
     def before_backward(self):
         "A replayed whole step ran its backward, DDP's all-reduce included: the gradients are there for the optimizer"
@@ -276,6 +284,7 @@ class FastStep(Callback):
         if self.capture.race: self.capture.race.restart()
     def after_fit(self):
         if self._buffers: self._buffers.restore(); self._buffers = None
+        self._loss_func_back()
         self._let_capture_go()
         self._host_metrics()
         GCFreeze.stop()

@@ -413,7 +413,7 @@ def test_what_keeps_the_step_from_one_graph_is_named(tmp_path):
     assert why(cbs=[GradientAccumulation(8)]) == 'GradientAccumulation runs at after_loss, before_step, between the forward and the optimizer'
     assert 'loss function (MixHandler.lf)' in why(MixUp().lf) and '<lambda>) is not one of' in why(lambda p,y: p.sum())
     learn = Learner(make_dls(), small_cnn(), loss_func=CrossEntropyLossFlat(), path=tmp_path, cbs=[FastStep()])
-    assert 'FastStep runs at after_loss, before_backward' in whole_refusal(learn), "FastStep's own events are allowed by FastStep only"
+    assert 'FastStep runs at after_pred, after_loss, before_backward' in whole_refusal(learn), "FastStep's own events are allowed by FastStep only"
 
 
 def test_the_optimizer_leaves_the_gradients_a_whole_step_graph_writes(dls, tmp_path):
@@ -426,6 +426,33 @@ def test_the_optimizer_leaves_the_gradients_a_whole_step_graph_writes(dls, tmp_p
     assert all(p.grad is g for p,g in zip(learn.model.parameters(), grads))
     learn.opt.keep_grads = False; learn.opt.zero_grad()
     assert all(p.grad is None for p in learn.model.parameters())
+
+
+def test_a_replayed_step_s_loss_is_given_by_the_loss_function_until_after_loss(dls, tmp_path):
+    """From `after_pred` to `after_loss` of a replayed whole step, fastai's loss function gives the graph's loss (fastai
+    computes no loss again); fastai's is back at `after_loss`, and at the next fit where a batch stopped in between"""
+    from types import SimpleNamespace
+    learn = learner(dls, tmp_path)
+    fs,lf,loss = learn.fast_step,learn.loss_func,torch.tensor(0.5)
+    fs.capture = SimpleNamespace(step_loss=loss)
+    learn.training = True
+    fs.after_pred(); fs.after_pred() # a batch cancelled after its forward lent it too: fastai's is still the one kept
+    assert learn.loss_func(torch.zeros(2, 10), torch.zeros(2)) is loss
+    fs.after_loss()
+    assert learn.loss_func is lf
+    fs.after_pred(); fs.capture = None
+    fs.before_fit()
+    assert learn.loss_func is lf
+    fs.capture = SimpleNamespace(step_loss=None); fs.after_pred()
+    assert learn.loss_func is lf, "a batch not replayed whole computes fastai's loss"
+
+
+class _Counted(CrossEntropyLossFlat):
+    "fastai's loss class, counting the training batches it computes a loss for"
+    calls = 0
+    def __call__(self, *args, **kwargs):
+        _Counted.calls += torch.is_grad_enabled()
+        return super().__call__(*args, **kwargs)
 
 
 class _Whole(Callback):
@@ -451,15 +478,20 @@ def test_the_step_captured_whole_trains_as_the_uncaptured_step(tmp_path, amp):
     def fit(graph):
         dls = DataLoaders(DataLoader(ds[:42], bs=4), DataLoader(ds[42:], bs=4))  # no shuffle: the same batches; the 11th has 2
         seen = _Whole()
-        learn = Learner(dls, small_cnn(2).cuda(), loss_func=CrossEntropyLossFlat(), path=tmp_path, cbs=[FastStep(graph=graph), seen])
+        learn = Learner(dls, small_cnn(2).cuda(), loss_func=_Counted(), path=tmp_path, cbs=[FastStep(graph=graph), seen])
         if amp: learn.to_bf16()
+        _Counted.calls = 0
         with quiet(learn), warnings.catch_warnings(record=True) as w:
             warnings.simplefilter('always'); learn.fit(2, 1e-2)
         assert not [x for x in w if 'FastStep' in str(x.message)], [str(x.message) for x in w]
+        assert isinstance(learn.loss_func, _Counted)
         return torch.cat([p.detach().flatten() for p in learn.model.parameters()]),torch.stack(learn.recorder.losses).float().cpu(),seen.seen
-    (eager,eager_losses,_),(whole,losses,seen) = fit(False),fit(True)
+    (eager,eager_losses,_),eager_calls = fit(False),_Counted.calls
+    (whole,losses,seen),calls = fit(True),_Counted.calls
     # 3 uncaptured to warm up, then the 11th batch of each epoch (2 images)
     assert seen == [dict(whole=True, graphs=1, uncaptured=WHOLE_WARMUP + 1, failed=None), dict(whole=True, graphs=1, uncaptured=WHOLE_WARMUP + 2, failed=None)], seen
+    # fastai's loss function computes the uncaptured batches' losses and the capture's; a replay's is the graph's
+    assert (eager_calls, calls) == (22, WHOLE_WARMUP + 2 + 1), (eager_calls, calls)
     assert torch.allclose(whole, eager, rtol=1e-3, atol=1e-4), (whole - eager).abs().max()
     assert torch.allclose(losses, eager_losses, rtol=1e-3, atol=1e-4)
 

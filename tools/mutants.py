@@ -275,6 +275,10 @@ MUTANTS = [
                 "with fastai's own optimizer the model's replayed backward doubles the gradients from the second step (killed on a GPU only)"),
     ('capture', "        for s,t in zip((*sx, *sy), (*xs, *ys)): s.copy_(t)", "        for s,t in zip(sx, xs): s.copy_(t)",
                 "a replayed whole step trains every batch on the targets it was captured with (killed on a GPU only)"),
+    ('faststep', "        if self._loss_func is None: self._loss_func = self.learn.loss_func # not", "        self._loss_func = self.learn.loss_func # not",
+     "a batch cancelled after its forward leaves the lent loss function kept as fastai's"),
+    ('faststep', "        self.learn.loss_func = lambda *args, **kwargs: loss", "        pass",
+     "fastai computes a replayed step's loss again"),
 ]
 
 FAST = ['tests/test_defaults.py', 'tests/test_augment_stats.py']
