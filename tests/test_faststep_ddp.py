@@ -47,10 +47,18 @@ def _ranks(tmp_path, key:str, world:int=2)->list: return [json.loads((tmp_path/f
 
 
 def test_two_processes_with_fast_step(tmp_path):
-    "FastStep's optimizer with DDP's gradients as views of its buckets (`gradient_as_bucket_view=True`, which fastai's own optimizer refuses): exactly once, whole-set metrics, the same weights (DDP's default: the graph test below)"
-    _torchrun(tmp_path, '--fast-step', '--bucket-view')
+    """`FastStep()` under DDP (gloo), one run for both: its optimizer with DDP's gradients as views of its buckets
+    (`gradient_as_bucket_view=True`, which fastai's own optimizer refuses; DDP's default: the graph test below), exactly
+    once, whole-set metrics, the same weights; and, the model holding a BatchNorm layer, DDP broadcast nothing at the
+    forwards, and every rank validates and ends the fit with rank 0's statistics"""
+    _torchrun(tmp_path, '--fast-step', '--bucket-view', '--bn')
     ddp_worker.check(tmp_path)
     assert set(_ranks(tmp_path, 'opt')) == {'FastOptimizer'} and _ranks(tmp_path, 'bucket_views') == [True, True]
+    assert _ranks(tmp_path, 'forward_sync') == [[False, False]]*2, "DDP's broadcast off in both epochs, on both ranks"
+    stats = _ranks(tmp_path, 'buffers')
+    assert stats[0] == stats[1] and stats[0] != 0, stats
+    at_validation = _ranks(tmp_path, 'valid_buffers')
+    assert at_validation[0] == at_validation[1] and len(at_validation[0]) == 2, "each validation on every rank with rank 0's statistics"
 
 
 def test_graph_on_the_cpu_says_why_once_and_trains(tmp_path):
@@ -413,14 +421,3 @@ def test_buffers_go_to_the_ranks_before_validation_not_at_every_forward(group):
     assert ddp.broadcast_buffers and failed.ddp is None
     assert distributed.BuffersAtValidation(DistributedDataParallel(nn.Linear(4, 2))).ddp is None, "no buffers: nothing to send"
     assert distributed.BuffersAtValidation(nn.BatchNorm1d(4)).ddp is None, "not under DDP: nothing to do"
-
-
-def test_two_processes_hold_rank_0s_batchnorm_statistics_after_the_fit(tmp_path):
-    "`FastStep()` under DDP (gloo) with a BatchNorm layer: DDP broadcast nothing at the forwards, and every rank ends with rank 0's statistics; exactly-once and whole-set metrics hold"
-    _torchrun(tmp_path, '--fast-step', '--bn')
-    ddp_worker.check(tmp_path)
-    assert _ranks(tmp_path, 'forward_sync') == [[False, False]]*2, "DDP's broadcast off in both epochs, on both ranks"
-    stats = _ranks(tmp_path, 'buffers')
-    assert stats[0] == stats[1] and stats[0] != 0, stats
-    at_validation = _ranks(tmp_path, 'valid_buffers')
-    assert at_validation[0] == at_validation[1] and len(at_validation[0]) == 2, "each validation on every rank with rank 0's statistics"
