@@ -98,11 +98,16 @@ def _quiet_stream_mismatch():
         if was: put(True)
 
 def _fresh_rng(device:torch.device):
-    "The CUDA generator of `device` with a state of its own again (same seed and offset) after a capture that failed"
-    # a capture that fails leaves the generator in capture mode (`capture_end` raised before its epilogue), and the next
-    # random kernel outside a capture (dropout) fails: "Offset increment outside graph capture encountered unexpectedly"
-    g = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
-    g.graphsafe_set_state(g.clone_state())
+    "The CUDA generator of `device` out of the capture mode a failed capture left it in, for the graphs captured before too"
+    # a capture that fails leaves the generator's state in capture mode (`capture_end` raised before its epilogue): the next
+    # random kernel outside a capture (dropout) fails, and so does the replay of every graph captured before, which holds
+    # that same state: "Offset increment outside graph capture encountered unexpectedly". A capture that ends ends it.
+    try:
+        with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=torch.cuda.Stream(device), capture_error_mode='thread_local'):
+            torch.zeros(1, device=device)
+    except RuntimeError: # no capture runs here now: a state of its own (same seed and offset) at least lets random kernels run
+        g = torch.cuda.default_generators[device.index if device.index is not None else torch.cuda.current_device()]
+        g.graphsafe_set_state(g.clone_state())
 
 _TORCH = str(Path(torch.__file__).parent)
 

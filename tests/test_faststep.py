@@ -394,6 +394,33 @@ def test_a_failed_capture_trains_on_uncaptured_dropout_included(tmp_path):
     assert torch.cuda.current_stream() == torch.cuda.default_stream()  # not the failed capture's stream (fastai's loaders set none)
 
 
+class _HostReadInEval(nn.Module):
+    "Reads a value on the host in eval mode only: the training step can be one graph, the inference forward cannot"
+    def forward(self, x): return x if self.training or x.abs().sum().item() >= 0 else -x
+
+@needs_gpu('FastStep(graph=True) captures on a CUDA device')
+def test_a_failed_capture_leaves_the_graphs_captured_before_replaying(tmp_path):
+    """The inference forward's capture failing after the step was captured whole leaves the step's graph replaying in the
+    next epochs: the failed capture left the generator state both graphs hold in capture mode ("Offset increment outside
+    graph capture encountered unexpectedly" at the next replay, seen on one of 2 H200s), until `GraphCapture` ended it"""
+    from fastai.data.core import DataLoaders
+    from fastai.data.load import DataLoader
+    g = torch.Generator().manual_seed(0)
+    ds = list(zip(torch.randn(48, 3, 16, 16, generator=g), torch.randint(0, 2, (48,), generator=g)))
+    dls = DataLoaders(DataLoader(ds[:32], bs=8), DataLoader(ds[32:], bs=8))  # 4 training batches, 2 validation ones of one shape
+    seen = _Whole()
+    model = nn.Sequential(small_cnn(2), nn.Dropout(0.5), _HostReadInEval()).cuda()
+    learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), path=tmp_path, cbs=[FastStep(graph=True), seen])
+    with quiet(learn), warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter('always'); learn.fit(3, 1e-2)
+    said = [str(x.message) for x in w if 'FastStep' in str(x.message)]
+    assert len(said) == 1 and "capturing the model's inference forward failed" in said[0], said  # at validation's second batch
+    # captured at the 4th batch, then every training batch replayed
+    assert seen.seen == [dict(whole=True, graphs=1, uncaptured=WHOLE_WARMUP, failed=None)]*3, seen.seen
+    assert len(learn.recorder.losses) == 12 and all(torch.isfinite(l) for l in learn.recorder.losses)
+    assert torch.nn.functional.dropout(torch.ones(8, device='cuda'), 0.5).isfinite().all()
+
+
 # ---------------------------------------------------------------- the step captured whole, or the model alone
 
 def test_what_keeps_the_step_from_one_graph_is_named(tmp_path):

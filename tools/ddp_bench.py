@@ -46,6 +46,7 @@ from torchvision.models import resnet18, resnet34, resnet50
 
 ARCHS = {'resnet18': resnet18, 'resnet34': resnet34, 'resnet50': resnet50}
 
+import dali_fastai.capture
 import dali_fastai.loader
 from dali_fastai.measure import BENCH_PHOTOS, bench_images
 from dali_fastai.distributed import DaliDistributed
@@ -297,13 +298,15 @@ def main():
                    "backward captured alone (DDP's hooks all-reduce uncaptured), as before 2026-11-29; else the step is one graph where it can be")
     p.add_argument('--decoder-cost', type=float, default=None, help="decode_on='auto': price the GPU decoder's start at this "
                    "many seconds of the host's waits (default: gpu_decoder_cost's), to see the move and its one-epoch trial in a short run")
+    p.add_argument('--every-rank-says', action='store_true', help="FastStep's messages (a capture that failed) from every rank, "
+                   "not from the first only: a capture failing on one rank alone is said")
     p.add_argument('--result', default=None, help='rank 0 writes {"img_s": ...} here')
     a = p.parse_args()
     if a.compare:
         most = torch.cuda.device_count() if a.compare == 'max' else int(a.compare)
         if a.n_per_class is None and a.path is None: a.n_per_class = n_per_class_for(a.images_per_rank, most)
         keep = [x for k in ('arch', 'path', 'bs', 'size', 'n_per_class', 'epochs', 'num_threads', 'hw_decoder_load', 'decode_on', 'decoder_cost') if getattr(a, k) is not None
-                for x in (f"--{k.replace('_', '-')}", str(getattr(a, k)))] + ['--no-priority-stream']*a.no_priority_stream + ['--broadcast-buffers']*a.broadcast_buffers + ['--no-kept-decoder']*a.no_kept_decoder + ['--bucket-view']*a.bucket_view
+                for x in (f"--{k.replace('_', '-')}", str(getattr(a, k)))] + ['--no-priority-stream']*a.no_priority_stream + ['--broadcast-buffers']*a.broadcast_buffers + ['--no-kept-decoder']*a.no_kept_decoder + ['--bucket-view']*a.bucket_view + ['--every-rank-says']*a.every_rank_says
         cases = [int(c) for c in a.cases.split(',')] if a.cases else None
         if cases and not all(1 <= c <= len(CASES) for c in cases):
             raise SystemExit(f"--cases {a.cases}: each must be a row of the table, 1 to {len(CASES)}")
@@ -312,6 +315,7 @@ def main():
         return compare(gpu_counts(most), keep, a.bs, out, a.fresh, cases, a.arch + (', DDP with gradient_as_bucket_view=True' if a.bucket_view else ''))
     if a.bucket_view and (a.synthetic or a.plain_dali or a.loader_only or not (a.fast_step or a.graph or a.auto)): raise SystemExit(VIEWS_REFUSED)
     if a.no_kept_decoder: dali_fastai.loader.keep_decoder = lambda *args: None  # a probe's switch, as tools/session_starts.py's
+    if a.every_rank_says: dali_fastai.capture.rank_distrib = lambda: 0  # a probe's switch: `GraphCapture` and `ForwardCapture` say it on rank 0 only
     if a.decoder_cost is not None: dali_fastai.loader.gpu_decoder_cost = lambda *args: a.decoder_cost  # the move, and its trial, early
     rank, world = int(os.environ.get('RANK', 0)), int(os.environ.get('WORLD_SIZE', 1))
     torch.cuda.set_device(int(os.environ.get('LOCAL_RANK', 0)))
