@@ -192,8 +192,9 @@ class DaliEpoch:
                  taken:int=0, # batches of a resumed epoch already taken
                  source=None, # the `PipelineSource` of `it`: its new build's first batch is timed there, and the later ones' waits and pace (`time_waits`)
                  sync:Callable|None=None, # waits for the work queued on the loader's device (its pace is read between two); None: nothing queued (CPU)
+                 queued:Callable|None=None, # marks the work queued on the loader's device so far, returning whether it is done when called; None: nothing queued (CPU)
                 ):
-        self.it,self.n,self.taken,self.done,self.sync = it,n,taken,False,sync or (lambda: None)
+        self.it,self.n,self.taken,self.done,self.sync,self.queued = it,n,taken,False,sync or (lambda: None),queued
         # the source of a build not read yet, whose first batch this epoch times; weakly: the source holds this epoch
         # (`PipelineSource.epoch`), and a cycle would keep a dropped loader's pipeline and threads alive until the GC runs
         self._new = weakref.ref(source) if source is not None and source.unread else None
@@ -211,10 +212,13 @@ class DaliEpoch:
             while True:
                 if self.taken == half and mid is None: self.sync(); mid = time.perf_counter()
                 start = time.perf_counter() if new or waits else None
+                step_done = self.queued() if waits and not new and self.queued else None  # the step the host just queued
                 try: data = next(self.it)  # `next()`, not `for`: DALI's `iter()` would try a mid-epoch reset
                 except StopIteration: break
                 if new: _first_read(new(), time.perf_counter() - start); new = None
-                elif waits: waited += time.perf_counter() - start  # the host blocked here: DALI had no batch ready
+                # the host blocked here, DALI had no batch ready: the loader's wait if the GPU ran out of work meanwhile;
+                # with the step still running when the batch came (a GPU-bound step), the step kept the host waiting
+                elif waits and (step_done is None or step_done()): waited += time.perf_counter() - start
                 if self.taken >= self.n: continue  # sharded: every rank stops at `len`; DALI's epoch may hold one more
                 self.taken += 1
                 yield data[0]

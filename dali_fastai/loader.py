@@ -9,6 +9,7 @@ __all__ = ['AUG_OPTIONS', 'TRIAL_MARGIN', 'KEEP_SHARE', 'DaliDataLoader']
 
 # %% ../nbs/05_loader.ipynb #20a7e3fb
 import copy, inspect, math, os, warnings, weakref
+from collections.abc import Callable
 from contextlib import nullcontext
 from functools import partial
 import numpy as np
@@ -66,6 +67,11 @@ AUG_OPTIONS = {'area', 'ratio', 'n_warps'} | set(inspect.signature(augment).para
 _AUTO_STATE = ('gpu_decode', 'waited', 'pace', 'trial', 'paces', 'settled')  # `decode_on='auto'`'s state in a loader's `PipelineSource`: its choice, the waits it weighed, the paces it compares
 TRIAL_MARGIN = 0.05  # an epoch on the GPU's decoders slower than one on the CPU's by more than this share: the CPU's are kept
 KEEP_SHARE = 0.1  # `keep_batches`: a pass is kept while its batches hold at most this share of the device's free memory at its start (the machine's, on the CPU)
+
+def _queued(device:torch.device)->Callable:
+    "Marks the work queued so far on `device`'s current stream (the step's): the function returned says whether it is done"
+    ev = torch.cuda.Event(); ev.record(torch.cuda.current_stream(device))
+    return ev.query
 
 def _free_memory(device:torch.device)->int:
     "Bytes of memory free on `device`: the GPU's (as its driver counts: PyTorch's cached blocks are not free), or the machine's"
@@ -465,8 +471,9 @@ class DaliDataLoader(BatchDisplay):
         self._ahead = False  # `prepare`'s epoch starts now; DALI starts the later ones as each ends
         self._epoch_no += 1
         taken,self._taken_at_resume = self._taken_at_resume,0
-        sync = partial(torch.cuda.synchronize, self.device) if self.device.type == 'cuda' else None  # around the pace's clock reads
-        self._epoch = DaliEpoch(self._iterator(), len(self), taken, self._source, sync)
+        # around the pace's clock reads; before and after each wait that is counted
+        sync,queued = (partial(torch.cuda.synchronize, self.device),partial(_queued, self.device)) if self.device.type == 'cuda' else (None,None)
+        self._epoch = DaliEpoch(self._iterator(), len(self), taken, self._source, sync, queued)
         self.after_batch.split_idx = self.split_idx
         return self._epoch
 

@@ -1,7 +1,7 @@
 """`decode_on='cpu'`: a GPU loader's JPEGs decoded on DALI's CPU threads and handed to the GPU, built while nvImageCodec
 sees only its CPU extensions (`cpu_codecs`), with no GPU decoder kept for the process; `decode_on='auto'` (the default):
 there until the host has waited for them longer than the GPU decoder's start costs, then on the GPU."""
-import math, os, subprocess, sys
+import math, os, subprocess, sys, time
 from pathlib import Path
 from contextlib import contextmanager
 import numpy as np
@@ -398,3 +398,22 @@ def test_a_rank_without_a_pace_follows_the_others_back_and_on(files, monkeypatch
     assert (train.decoding, train._source.trial, 'gpu' in train._source.paces) == ('cpu', 'cpu', False)
     epoch_items(train)
     assert train._source.settled and train.decoding == 'cpu', "no GPU pace here: its vote leaves the choice to the ranks that have one"
+
+
+class _SlowBatches:
+    "DALI's iterator as `DaliEpoch` reads it: `n` batches, each taking `secs` to come"
+    def __init__(self, n:int, secs:float): self.n,self.secs = n,secs
+    def __next__(self):
+        if not self.n: raise StopIteration
+        self.n -= 1; time.sleep(self.secs)
+        return [{'i': self.n}]
+
+def test_a_wait_behind_a_step_still_running_is_not_the_loaders():
+    """A wait for a batch counts (toward `decode_on='auto'`'s move) only if the work queued before it, the step, was done by
+    its end: a step that keeps the GPU busy makes the host wait too, and that wait is the step's"""
+    from dali_fastai.epoch import DaliEpoch, PipelineSource
+    src = PipelineSource(['i']); src.time_waits = True
+    list(DaliEpoch(_SlowBatches(3, 0.01), 3, source=src, queued=lambda: lambda: False))
+    assert src.waited == 0, "the step was still running when each batch came"
+    list(DaliEpoch(_SlowBatches(3, 0.01), 3, source=src, queued=lambda: lambda: True))
+    assert src.waited >= 0.03, "the GPU had run out of work: the loader's wait"

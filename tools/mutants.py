@@ -282,6 +282,8 @@ MUTANTS = [
     ('capture', "    try:\n        with torch.cuda.graph(torch.cuda.CUDAGraph(), stream=torch.cuda.Stream(device), capture_error_mode='thread_local'):\n"
                 "            torch.zeros(1, device=device)\n    except RuntimeError:", "    if True:",
      "after a failed capture the generator gets a new state, the graphs captured before keep the one left in capture mode: their next replay fails (killed on a GPU only)"),
+    ('epoch', "elif waits and (step_done is None or step_done()):", "elif waits:",
+     "a wait behind a step still running counts as the loader's: a GPU-bound step moves decode_on='auto' to the GPU's decoders"),
 ]
 
 FAST = ['tests/test_defaults.py', 'tests/test_augment_stats.py']
