@@ -296,6 +296,22 @@ def test_auto_starts_no_gpu_decoder_until_it_moves(tmp_path, monkeypatch):
     release_decoders()
 
 
+@needs_gpu("the host's waits behind a step still running on the GPU")
+def test_auto_counts_no_wait_while_the_gpu_still_runs_the_step(tmp_path, monkeypatch):
+    """On the GPU: a step that keeps the GPU busy past the next batch's arrival (a kernel of about a second after each batch)
+    makes no wait of the loader's; with the GPU idle, the same loader's waits count"""
+    items = _jpegs(tmp_path, 12)
+    _switch_costs(monkeypatch, 1e9)  # counting, never moving
+    def waited(step):
+        dl = DaliDataLoader(items, bs=4, size=32, device='cuda', seed=0, train=True)
+        for _ in range(2):
+            for x,_ in dl: step(x)
+        torch.cuda.synchronize()
+        return dl._source.waited
+    assert waited(lambda x: torch.cuda._sleep(2**30)) == 0, "each wait ended with the step still running: the step's"
+    assert waited(lambda x: None) > 0, "the GPU idle: the loader's"
+
+
 def test_an_abandoned_epoch_on_the_cpus_decoders_is_built_anew_past_a_few_batches(files, monkeypatch):
     "Where DALI's CPU threads decode, a build costs hundredths of a second: a GPU loader drains at most 4 batches, not 100"
     import dali_fastai.loader as loader
