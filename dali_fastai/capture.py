@@ -97,7 +97,7 @@ def _quiet_stream_mismatch():
     finally:
         if was: put(True)
 
-def _fresh_rng(device:torch.device):
+def _rng_out_of_capture(device:torch.device):
     "The CUDA generator of `device` out of the capture mode a failed capture left it in, for the graphs captured before too"
     # a capture that fails leaves the generator's state in capture mode (`capture_end` raised before its epilogue): the next
     # random kernel outside a capture (dropout) fails, and so does the replay of every graph captured before, which holds
@@ -135,7 +135,7 @@ def _capturing(capture, # a `GraphCapture` or `ForwardCapture`: told why a captu
     try: yield
     except BaseException as e:
         torch.cuda.set_stream(stream)
-        _fresh_rng(device)
+        _rng_out_of_capture(device)
         if not isinstance(e, Exception): raise
         (fail or capture._fail)(f"capturing {what} failed ({_failure(e)})")
     finally: capture.capture_seconds += time.perf_counter() - start
