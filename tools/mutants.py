@@ -216,7 +216,7 @@ MUTANTS = [
     ('loader', "        if self.decode_on != 'auto' or s.settled or self._fed or s.resume is not None or",
                "        if self.decode_on != 'auto' or s.settled or self._fed or",
                "a resumed epoch may move to the GPU's decoders, restoring its checkpoint into another graph"),
-    ('epoch', "                elif waits: waited += time.perf_counter() - start", "                pass",
+    ('epoch', "                elif waits and (step_done is None or step_done()): waited += time.perf_counter() - start", "                pass",
               "the host's waits for the CPU's decoders are never counted"),
     ('loader', "        self._source.abandon(default_drain_limit(self.device, self.decoding) if",
                "        self._source.abandon(default_drain_limit(self.device) if",
