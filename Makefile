@@ -88,8 +88,8 @@ gpu-test: $(if $(PY),,venv)  ## on the GPU machine: every GPU test (`gpu` tests,
 	$(GPU_ENV) $(GPU_PY) -m pytest -n $(N) -ra -m 'gpu and not gpu_alone' tests
 	@echo "== GPU: tests that read the whole GPU's free memory, alone"
 	$(GPU_ENV) $(GPU_PY) -m pytest -p no:xdist -ra -m gpu_alone tests
-	@echo "== GPU: unusual images, the default augmentations, boxes and points through the GPU backend"
-	$(GPU_ENV) DALI_FASTAI_TEST_DEVICE=gpu $(GPU_PY) -m pytest -n $(N) -ra tests/test_files.py tests/test_defaults.py tests/test_box_geometry.py tests/test_masks.py tests/test_shards.py tests/test_mask_sampling.py tests/test_session.py
+	@echo "== GPU: unusual images, the default augmentations, boxes and points, decode_on through the GPU backend"
+	$(GPU_ENV) DALI_FASTAI_TEST_DEVICE=gpu $(GPU_PY) -m pytest -n $(N) -ra tests/test_files.py tests/test_defaults.py tests/test_box_geometry.py tests/test_masks.py tests/test_shards.py tests/test_mask_sampling.py tests/test_session.py tests/test_decode_on.py
 
 mutants: venv  ## plant known bugs in a copy of the package; every one must fail a test (slow: not part of `test`)
 	$(BIN)/python tools/mutants.py
