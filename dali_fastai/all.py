@@ -43,7 +43,7 @@ with warnings.catch_warnings():
     from dali_fastai.fastopt import FastOptimizer, torch_step
     from dali_fastai.capture import RACE_FROM, GraphCapture, ForwardCapture, StepRace, whole_refusal, WHOLE_WARMUP, DDP_WARMUP
     from dali_fastai.faststep import FastStep, on_device, HostReads, OpCounts, GCFreeze
-    from dali_fastai.distributed import DaliDistributed, DaliCheckpoint, BuffersAtValidation
+    from dali_fastai.distributed import DaliDistributed, DaliCheckpoint, BuffersAtValidation, BucketViews
     from dali_fastai.datasets import FASHION_MNIST_CLASSES, fashion_mnist_df, write_once, fashion_mnist
     from dali_fastai.scenes import SCENE_CODES, fashion_scenes
     from dali_fastai.detectors import (small_detector, BatchedTransform, BatchedFCOS, BatchedRetinaNet, CachedAnchors, padded_targets, unpadded_targets, BoxCheck)
@@ -71,7 +71,7 @@ __all__ = ['warp_matrix', 'synthetic_warps', 'rotation_matrix', 'compose_matrice
            'write_shards', 'folder_shards', 'check_shards', 'parse_label', 'ShardItems', 'tfrecord_index',
            'dblock_shards', 'label_targets', 'dblock_items', 'DaliDataLoaders', 'dataloaders_for', 'detection_dataloaders',
            'segmentation_dataloaders', 'UnpackDaliBatch', 'ClampSchedPos',
-           'restart_epoch', 'DaliResetCallback', 'FastStep', 'FastOptimizer', 'torch_step', 'on_device', 'HostReads', 'OpCounts', 'RACE_FROM', 'GraphCapture', 'ForwardCapture', 'StepRace', 'BuffersAtValidation', 'TRIAL_MARGIN', 'KEEP_SHARE', 'GCFreeze',
+           'restart_epoch', 'DaliResetCallback', 'FastStep', 'FastOptimizer', 'torch_step', 'on_device', 'HostReads', 'OpCounts', 'RACE_FROM', 'GraphCapture', 'ForwardCapture', 'StepRace', 'BuffersAtValidation', 'BucketViews', 'TRIAL_MARGIN', 'KEEP_SHARE', 'GCFreeze',
            'DaliDistributed', 'DaliCheckpoint', 'FASHION_MNIST_CLASSES', 'fashion_mnist_df', 'write_once',
            'fashion_mnist', 'SCENE_CODES', 'fashion_scenes', 'fastai_to_targets', 'fastai_to_padded', 'small_detector', 'BatchedTransform', 'BatchedFCOS', 'BatchedRetinaNet', 'CachedAnchors', 'padded_targets', 'unpadded_targets', 'BoxCheck', 'padded_detections', 'batch_detections', 'eval_per_image',
            'DetectionAdapter', 'detection_loss', 'DetectionLoss', 'DetectionTargets', 'coco_backend', 'DetectionMAP',

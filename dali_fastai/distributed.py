@@ -6,7 +6,7 @@ Docs: https://dali-fastai.github.io/dali_fastai/distributed.html.md"""
 
 # %% auto #0
 __all__ = ['STATE_KEY', 'DaliShard', 'gather_batches', 'sync_bn_note', 'say_sync_bn', 'grad_nodes', 'DaliDistributed',
-           'BuffersAtValidation', 'DaliCheckpoint']
+           'BuffersAtValidation', 'BucketViews', 'DaliCheckpoint']
 
 # %% ../nbs/07a_distributed.ipynb #99b32dde
 import json, os, warnings
@@ -155,6 +155,23 @@ class BuffersAtValidation:
         if self.ddp is None: return
         if send: self.send()
         self.ddp.broadcast_buffers,self.ddp = True,None
+
+# %% ../nbs/07a_distributed.ipynb #330ad149
+class BucketViews:
+    "For the DDP fastai's `DistributedTrainer` builds next: each gradient a view of DDP's bucket (`gradient_as_bucket_view=True`), unless the user gave DDP's arguments"
+    def __init__(self, learn, # a `Learner` inside `learn.distrib_ctx()`; anything else: nothing done
+                ):
+        trainer = next((cb for cb in learn.cbs if isinstance(cb, DistributedTrainer)), None)
+        acc = getattr(trainer, 'accelerator', None)
+        # `ddp_handler`: the `DistributedDataParallelKwargs` the user gave `distrib_ctx`, None when none (accelerate >= 0.20)
+        self.acc = acc if acc is not None and getattr(acc, 'ddp_handler', False) is None else None
+        if self.acc is not None:
+            from accelerate import DistributedDataParallelKwargs  # installed with fastai's distrib_ctx
+            self.acc.ddp_handler = DistributedDataParallelKwargs(gradient_as_bucket_view=True)
+
+    def restore(self):
+        "DDP is built (or the fit stopped before): the accelerator back as the user made it"
+        if self.acc is not None: self.acc.ddp_handler,self.acc = None,None
 
 # %% ../nbs/07a_distributed.ipynb #83182b76
 STATE_KEY = 'dali_fastai.loaders'  # the model state_dict entry holding the loaders' state

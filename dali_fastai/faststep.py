@@ -26,7 +26,7 @@ from fastai.optimizer import Optimizer
 from fastai.distributed import DistributedDL
 from fastai.torch_core import TensorBase, find_bs, flatten_check, num_distrib, to_detach
 from .fastopt import FastOptimizer, torch_step
-from .distributed import BuffersAtValidation, DaliDistributed, DaliShard, say_sync_bn
+from .distributed import BucketViews, BuffersAtValidation, DaliDistributed, DaliShard, say_sync_bn
 from .capture import GraphCapture, ForwardCapture, StepRace, RACE_FROM
 
 # %% ../nbs/07e_faststep.ipynb #f87763a3
@@ -162,13 +162,15 @@ class FastStep(Callback):
                  device_metrics:bool=True,          # smooth the loss and accumulate metrics on the device
                  freeze_gc:bool=True,               # Python's collector passes over the fit's own objects only (`GCFreeze`)
                  broadcast_buffers:bool=False,      # under DDP, rank 0's BatchNorm statistics sent at every forward (DDP's way); False: before each validation (`BuffersAtValidation`)
+                 bucket_view:bool=True,             # under DDP, with PyTorch's optimizer: each gradient a view of DDP's bucket, no copy after the all-reduce (`BucketViews`); False: DDP's default
                  whole_step:bool=True,              # capture the loss and the backward (DDP's all-reduce included) with the forward, as one graph, where no callback works between them (`whole_refusal`); False: the model's forward and backward only
                 ):
         if graph not in (True, False, 'auto'):
             raise ValueError(f"FastStep(graph={graph!r}): graph is True (always capture), False (never) or 'auto' (the default: "
                              "capture when the captured step trains faster)")
-        store_attr('graph,channels_last,fused,device_metrics,freeze_gc,broadcast_buffers,whole_step')
+        store_attr('graph,channels_last,fused,device_metrics,freeze_gc,broadcast_buffers,bucket_view,whole_step')
         self._buffers = None # under DDP: `BuffersAtValidation` for the fit under way
+        self._views = None # under DDP: `BucketViews` until DDP is built
         self._warned,self.capture,self._saved = set(),None,None # `validate` and `get_preds` may come before any fit
         self._loss_func = None # fastai's loss function, while `after_pred` has lent a replayed step's loss in its place
         self.verdicts = {} # `graph='auto'`: each race's winner, for the fits after it (`StepRace.recall`)
@@ -231,6 +233,8 @@ class FastStep(Callback):
         self._let_capture_go() # and its graphs
         if self.forwards: self.forwards.remove() # a validation that stopped on an exception left it installed
         self._optimizer()
+        self._views_back() # a fit that stopped before DDP was built left them asked for
+        if self.bucket_view and isinstance(self.learn.opt, FastOptimizer): self._views = BucketViews(self.learn) # fastai's own optimizer refuses them
         self._memory_format()
         finding = any(isinstance(cb, LRFinder) for cb in self.learn.cbs)  # lr_find reads the loss every batch anyway
         if self.device_metrics and not finding and hasattr(self.learn, 'recorder'): self._device_metrics()
@@ -260,7 +264,10 @@ class FastStep(Callback):
         "A replayed whole step ran its backward, DDP's all-reduce included: the gradients are there for the optimizer"
         if self.training and self.capture and self.capture.step_loss is not None: raise CancelBackwardException()
 
+    def _views_back(self):
+        if self._views: self._views.restore(); self._views = None
     def before_train(self):
+        self._views_back() # fastai's DistributedTrainer built DDP in its `before_fit`
         say_sync_bn(self.learn) # once a process; fastai's DistributedTrainer has made its SyncBatchNorms by now
         if self._buffers is None and not self.broadcast_buffers: self._buffers = BuffersAtValidation(self.learn.model) # DDP wraps the model by now
         if self.freeze_gc: GCFreeze.start() # training's, not `get_preds`' or `validate`'s (no `before_train`)
@@ -275,6 +282,7 @@ class FastStep(Callback):
         if race is not None and race.verdicts is None: race.recall(self.verdicts, self._race_key())
         self.capture.before_batch()
     def before_validate(self):
+        self._views_back() # `get_preds` and `validate` run the callbacks' `before_fit`, not `before_train`
         if self.capture: self._restart_race(); self.capture.remove()
         if self._buffers: self._buffers.send()
         if self.forwards: self.forwards.install(self.learn.model) # validation, `get_preds` and `predict`, in a fit or not
@@ -283,6 +291,7 @@ class FastStep(Callback):
     def _restart_race(self):
         if self.capture.race: self.capture.race.restart()
     def after_fit(self):
+        self._views_back()
         if self._buffers: self._buffers.restore(); self._buffers = None
         self._loss_func_back()
         self._let_capture_go()

@@ -11,7 +11,7 @@ writes the sum of its weights after the fit: equal on every rank only if DDP ave
 On GPUs with the graph:  torchrun --nproc_per_node 2 tests/ddp_worker.py OUT --device gpu --graph && python tests/ddp_worker.py --check OUT
 On 4 GPUs, batches enough for FastStep()'s race:  torchrun --nproc_per_node 4 tests/ddp_worker.py OUT --device gpu --fast-step --race-from 0
 --n-train 231 --bs 2 && python tests/ddp_worker.py --check OUT 4 231 2   (the images are indexed 0..255: n-train + n-valid <= 256)
-`--bucket-view` builds DDP with gradient_as_bucket_view=True (with FastStep's optimizer; fastai's own refuses the views)."""
+With FastStep's optimizer DDP is built with gradient_as_bucket_view=True (`BucketViews`); `--no-bucket-view`: FastStep(bucket_view=False), DDP's default."""
 import argparse, faulthandler, json, math, os, sys, time
 from pathlib import Path
 
@@ -64,8 +64,8 @@ def main():
     p.add_argument('--race-from', type=int, default=None, help="FastStep(): race in fits of this many training batches or more (default: RACE_FROM)")
     p.add_argument('--bn', action='store_true', help="a BatchNorm layer in the model (buffers that DDP keeps in step)")
     p.add_argument('--no-sync-bn', action='store_true', help="on the GPU: distrib_ctx(sync_bn=False), each rank's BatchNorm on its own batch (fastai converts to SyncBatchNorm by default)")
-    p.add_argument('--bucket-view', action='store_true', help="DDP built with gradient_as_bucket_view=True (FastStep's optimizer only: "
-                   "fastai's zero_grad detaches the gradients in place, which bucket views refuse)")
+    p.add_argument('--no-bucket-view', action='store_true', help="FastStep(bucket_view=False): DDP built with its default, "
+                   "each gradient copied back from DDP's bucket (FastStep asks for the views otherwise)")
     p.add_argument('--seed', type=int, default=None, help="the training loader's seed (default: rank 0 draws one)")
     a = p.parse_args()
     if a.race_from is not None: faststep.RACE_FROM = a.race_from
@@ -83,12 +83,10 @@ def main():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Flatten(), *([nn.BatchNorm1d(3*8*8)] if a.bn else []), nn.Linear(3*8*8, MAX_INDEX))
     rec = Record()
-    fast = [FastStep(graph=True if a.graph else False if a.eager else 'auto')] if a.fast_step or a.graph or a.eager else []
+    fast = ([FastStep(graph=True if a.graph else False if a.eager else 'auto', bucket_view=not a.no_bucket_view)]
+            if a.fast_step or a.graph or a.eager else [])
     learn = Learner(dls, model, loss_func=CrossEntropyLossFlat(), metrics=accuracy, cbs=[DaliDistributed(), rec, *fast])
     kw = dict(sync_bn=False, cpu=True) if a.device == 'cpu' else dict(sync_bn=False) if a.no_sync_bn else {}
-    if a.bucket_view:
-        from accelerate import DistributedDataParallelKwargs
-        kw['kwargs_handlers'] = [DistributedDataParallelKwargs(gradient_as_bucket_view=True)]
     with learn.distrib_ctx(**kw):
         with learn.no_bar(): learn.fit(2, 1e-2)
         graphs,forward_sync,valid_buffers,forwards,views = rec.graphs,rec.forward_sync,rec.valid_buffers,rec.forwards,rec.bucket_views  # `get_preds` starts the callbacks' `before_fit` again

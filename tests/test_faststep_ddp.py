@@ -47,11 +47,11 @@ def _ranks(tmp_path, key:str, world:int=2)->list: return [json.loads((tmp_path/f
 
 
 def test_two_processes_with_fast_step(tmp_path):
-    """`FastStep()` under DDP (gloo), one run for both: its optimizer with DDP's gradients as views of its buckets
-    (`gradient_as_bucket_view=True`, which fastai's own optimizer refuses; DDP's default: the graph test below), exactly
-    once, whole-set metrics, the same weights; and, the model holding a BatchNorm layer, DDP broadcast nothing at the
-    forwards, and every rank validates and ends the fit with rank 0's statistics"""
-    _torchrun(tmp_path, '--fast-step', '--bucket-view', '--bn')
+    """`FastStep()` under DDP (gloo), one run for both: its optimizer with DDP's gradients as views of its buckets, which
+    it asks fastai's DistributedTrainer for (`BucketViews`; fastai's own optimizer refuses them; DDP's default: the graph
+    test below), exactly once, whole-set metrics, the same weights; and, the model holding a BatchNorm layer, DDP
+    broadcast nothing at the forwards, and every rank validates and ends the fit with rank 0's statistics"""
+    _torchrun(tmp_path, '--fast-step', '--bn')
     ddp_worker.check(tmp_path)
     assert set(_ranks(tmp_path, 'opt')) == {'FastOptimizer'} and _ranks(tmp_path, 'bucket_views') == [True, True]
     assert _ranks(tmp_path, 'forward_sync') == [[False, False]]*2, "DDP's broadcast off in both epochs, on both ranks"
@@ -62,9 +62,11 @@ def test_two_processes_with_fast_step(tmp_path):
 
 
 def test_graph_on_the_cpu_says_why_once_and_trains(tmp_path):
-    "`FastStep(graph=True)` under DDP on the CPU (gloo): one message, from rank 0, naming why; the uncaptured fast step trains exactly once"
-    r = _torchrun(tmp_path, '--graph')
+    """`FastStep(graph=True)` under DDP on the CPU (gloo): one message, from rank 0, naming why; the uncaptured fast step
+    trains exactly once, here with `bucket_view=False`: DDP built with its default, gradients copied from its buckets"""
+    r = _torchrun(tmp_path, '--graph', '--no-bucket-view')
     ddp_worker.check(tmp_path)
+    assert _ranks(tmp_path, 'bucket_views') == [False, False]
     said = [l for l in r.stderr.splitlines() if 'Warning: FastStep(graph=True):' in l]  # the message, not the source line under it
     assert len(said) == 1, r.stderr[-3000:]
     assert 'not on a CUDA device (DDP over gloo on the CPU)' in said[0] and 'uncaptured fast step' in said[0]
@@ -318,6 +320,52 @@ def test_fast_step_fit_with_sync_batchnorm_says_so_once(files, tmp_path, monkeyp
     assert '0.74x' in notes[0] and '2026-11-24' in notes[0] and 'learn.distrib_ctx(sync_bn=False)' in notes[0]
 
 
+# ---------------------------------------------------------------- DDP's gradients as views of its buckets
+
+class _Accelerator:
+    "What fastai's `DistributedTrainer` builds DDP from: accelerate's `Accelerator`, its `ddp_handler` alone"
+    def __init__(self, ddp_handler=None): self.ddp_handler = ddp_handler
+
+
+class _BuildsDDP(_FakeDDP):
+    "fastai's DistributedTrainer as `BucketViews` sees it: DDP's arguments read from its accelerator at its `before_fit`"
+    def __init__(self, handler=None): self.accelerator,self.built = _Accelerator(handler),[]
+    def before_fit(self):
+        h = self.accelerator.ddp_handler
+        self.built.append(h.to_kwargs() if h is not None else {})
+
+
+def _fit_under(tmp_path, files, step:FastStep, handler=None, opt_func=None)->tuple:
+    "Two fits and a `get_preds` with `step` and DDP built as fastai builds it; what DDP got each time, and the handler after"
+    dls = DaliDataLoaders(index_loader(files[:16], 4, train=True, seed=0, warp_mode=None), index_loader(files[16:24], 4),
+                          path=tmp_path, device='cpu')
+    trainer = _BuildsDDP(handler)
+    learn = Learner(dls, nn.Sequential(nn.Flatten(), nn.Linear(192, MAX_INDEX)), loss_func=CrossEntropyLossFlat(),
+                    cbs=[step, trainer], **({'opt_func': opt_func} if opt_func else {}))
+    with learn.no_bar(), learn.no_logging():
+        learn.fit(1); learn.get_preds(); learn.fit(1)
+    return trainer.built,trainer.accelerator.ddp_handler
+
+
+@pytest.mark.parametrize('step,views', [(dict(), True), (dict(bucket_view=False), False), (dict(fused=False), False)],
+                         ids=['default', 'bucket_view=False', 'fastai-optimizer'])
+def test_fast_step_asks_ddp_for_bucket_views_with_its_optimizer_only(files, tmp_path, step, views):
+    """`FastStep()` asks fastai's DistributedTrainer for `gradient_as_bucket_view=True` at each fit where its optimizer is
+    PyTorch's (not with `bucket_view=False`, nor with fastai's optimizer, whose `zero_grad` refuses views), the
+    `get_preds` between them included, and gives the accelerator back as it was once DDP is built"""
+    built,after = _fit_under(tmp_path, files, FastStep(graph=False, **step))
+    assert built == [{'gradient_as_bucket_view': True} if views else {}]*3, built
+    assert after is None, "the accelerator as the user made it"
+
+
+def test_fast_step_keeps_the_users_ddp_arguments(files, tmp_path):
+    "Arguments the user gave DDP (`distrib_ctx(kwargs_handlers=[DistributedDataParallelKwargs(...)])`) are theirs: no views added"
+    from accelerate import DistributedDataParallelKwargs
+    mine = DistributedDataParallelKwargs(find_unused_parameters=True)
+    built,after = _fit_under(tmp_path, files, FastStep(graph=False), handler=mine)
+    assert built == [{'find_unused_parameters': True}]*3 and after is mine
+
+
 # ---------------------------------------------------------------- DaliDistributed's gradient nodes
 
 def test_dali_distributed_holds_the_gradient_nodes_until_ddp_has_them(group, files, tmp_path):
@@ -384,25 +432,26 @@ def test_ddp_bench_passes_the_loader_levers_to_every_case(tmp_path, monkeypatch)
     assert seen['num_threads'] == 3 and seen['priority_stream'] is False and seen['hw_decoder_load'] == 1.0
 
 
-def test_ddp_bench_gives_bucket_views_to_faststep_cases_only(tmp_path, monkeypatch):
-    "`--compare --bucket-view`: FastStep's cases get the flag; any other case (fastai's optimizer refuses the views) is refused before a run"
+def test_ddp_bench_keeps_ddp_default_for_faststep_cases_only(tmp_path, monkeypatch):
+    """`--compare --no-bucket-view`: FastStep's cases get the flag (`FastStep(bucket_view=False)`) and their own file; any
+    other case (built with DDP's default already) is refused before a run"""
     from helpers import load_tool
     ddp = load_tool('ddp_bench')
     runs = []
     monkeypatch.setattr(ddp, 'run_case', lambda n, args: runs.append(tuple(args)) or 1.0)
     monkeypatch.chdir(tmp_path)
     for cases in ('1', '7,10', None):
-        monkeypatch.setattr(sys, 'argv', ['ddp_bench.py', '--compare', '1', '--bucket-view', '--n-per-class', '4', *(['--cases', cases] if cases else [])])
+        monkeypatch.setattr(sys, 'argv', ['ddp_bench.py', '--compare', '1', '--no-bucket-view', '--n-per-class', '4', *(['--cases', cases] if cases else [])])
         with pytest.raises(SystemExit, match=r'--cases among 6,7,8,9\)'): ddp.main()
     for case in (['--synthetic', '--graph'], ['--plain-dali'], []):  # one case, no --compare: refused before any work too
-        monkeypatch.setattr(sys, 'argv', ['ddp_bench.py', '--bucket-view', *case])
+        monkeypatch.setattr(sys, 'argv', ['ddp_bench.py', '--no-bucket-view', *case])
         with pytest.raises(SystemExit, match="FastStep's fastai cases only"): ddp.main()
     assert runs == []
-    monkeypatch.setattr(sys, 'argv', ['ddp_bench.py', '--compare', '1', '--bucket-view', '--n-per-class', '4', '--cases', '7'])
+    monkeypatch.setattr(sys, 'argv', ['ddp_bench.py', '--compare', '1', '--no-bucket-view', '--n-per-class', '4', '--cases', '7'])
     ddp.main()
-    assert runs == [('--arch', 'resnet50', '--bs', '128', '--size', '224', '--n-per-class', '4', '--epochs', '4', '--bucket-view',
+    assert runs == [('--arch', 'resnet50', '--bs', '128', '--size', '224', '--n-per-class', '4', '--epochs', '4', '--no-bucket-view',
                      '--fast-step', '--graph')], runs
-    assert (tmp_path/'ddp_bench_bucket_view.json').exists() and not (tmp_path/'ddp_bench.json').exists(), "not mixed with DDP's default's rows"
+    assert (tmp_path/'ddp_bench_no_bucket_view.json').exists() and not (tmp_path/'ddp_bench.json').exists(), "not mixed with FastStep's default's rows"
 
 
 # ---------------------------------------------------------------- BatchNorm's statistics: sent before validation, not each forward

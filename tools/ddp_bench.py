@@ -90,19 +90,18 @@ def fit_epochs(dls, epochs:int, world:int, sync_bn:bool, bar:bool=True, fused:bo
                graph:bool|str=False, # `FastStep(graph=...)`: True, False, or 'auto' (its default: captured where faster)
                arch:str='resnet50', # the model, one of `ARCHS`
                broadcast_buffers:bool=False, # `FastStep(broadcast_buffers=...)`: DDP's broadcast of BatchNorm's statistics at every forward
-               bucket_view:bool=False, # DDP built with `gradient_as_bucket_view=True` (FastStep cases only: `VIEWS_REFUSED`)
+               bucket_view:bool=True, # `FastStep(bucket_view=...)`: DDP built with `gradient_as_bucket_view=True` (FastStep cases only: `VIEWS_REFUSED`)
                whole_step:bool=True, # `FastStep(whole_step=...)`: the loss and the backward (DDP's all-reduce) in the forward's graph
               )->list:
     "Wall time of the training phase of each of `epochs` epochs of an `arch` (bf16, channels_last) fit, and `start_costs` after it"
     timer,wait = EpochTimer(),LoaderWait()
     kw = dict(opt_func=partial(OptimWrapper, opt=torch.optim.AdamW, fused=True)) if fused else {}
-    cbs = [DaliDistributed(), timer, wait, *([FastStep(graph=graph, broadcast_buffers=broadcast_buffers, whole_step=whole_step)] if fast_step or graph else [])]
+    cbs = [DaliDistributed(), timer, wait, *([FastStep(graph=graph, broadcast_buffers=broadcast_buffers, bucket_view=bucket_view, whole_step=whole_step)]
+                                             if fast_step or graph else [])]
     learn = vision_learner(dls, ARCHS[arch], metrics=accuracy, pretrained=False, cbs=cbs, **kw).to_bf16()
     learn.model = learn.model.to(memory_format=torch.channels_last)
     # one GPU: a plain fit (fastai's DistributedTrainer assumes a DDP-wrapped model, which one process does not get)
-    if bucket_view: from accelerate import DistributedDataParallelKwargs  # what fastai's DistributedTrainer builds DDP with
-    ddp = {'kwargs_handlers': [DistributedDataParallelKwargs(gradient_as_bucket_view=True)]} if bucket_view else {}
-    with learn.distrib_ctx(sync_bn=sync_bn, **ddp) if world > 1 else contextlib.nullcontext(), \
+    with learn.distrib_ctx(sync_bn=sync_bn) if world > 1 else contextlib.nullcontext(), \
          contextlib.nullcontext() if bar else learn.no_bar():
         learn.fit_one_cycle(epochs, 1e-3)
     return timer.times,{**start_costs(learn), 'host waits for batches': wait.waits},timer.decoded
@@ -169,11 +168,11 @@ CASES = [('the sharded loader alone', ['--loader-only']),
          ('fastai + dali_fastai + FastStep(graph=True, whole_step=False), the model alone captured (DDP\'s all-reduce not)', ['--fast-step', '--graph', '--model-graph']),
          ('fastai + dali_fastai, `distrib_ctx(sync_bn=False)`', []),
          ("fastai + dali_fastai, `distrib_ctx()` (fastai's default `sync_bn=True`)", ['--sync-bn'])]
-# the cases `--bucket-view` applies to: FastStep's PyTorch optimizer takes DDP's bucket views, fastai's own refuses them
-# (its `zero_grad` detaches each gradient in place) and the plain loops build their DDP without them
+# the cases `--no-bucket-view` applies to: FastStep asks DDP for bucket views for its PyTorch optimizer; fastai's own
+# refuses them (its `zero_grad` detaches each gradient in place) and the plain loops build their DDP without them
 VIEW_CASES = [i + 1 for i,(_,extra) in enumerate(CASES) if '--fast-step' in extra]
-VIEWS_REFUSED = (f"--bucket-view: FastStep's fastai cases only (with --compare, --cases among {','.join(map(str, VIEW_CASES))}): "
-                 "fastai's own optimizer refuses DDP's bucket views, and the plain loops do not build DDP with them")
+VIEWS_REFUSED = (f"--no-bucket-view: FastStep's fastai cases only (with --compare, --cases among {','.join(map(str, VIEW_CASES))}): "
+                 "the other cases build DDP with its default already (fastai's own optimizer refuses DDP's bucket views)")
 
 
 OUT = 'ddp_bench.json'  # `--compare`'s default file of results
@@ -292,8 +291,8 @@ def main():
                    "stream (priority_stream=False): what their high-priority stream is worth")
     p.add_argument('--broadcast-buffers', action='store_true', help="FastStep cases: DDP sends rank 0's BatchNorm statistics "
                    "at every forward (its default), not only before validation (FastStep's)")
-    p.add_argument('--bucket-view', action='store_true', help="FastStep cases: DDP built with gradient_as_bucket_view=True (no "
-                   "copy of each gradient back from DDP's buckets after the all-reduce; tools/ddp_overlap.py --wrap-one measures it on one GPU)")
+    p.add_argument('--no-bucket-view', action='store_true', help="FastStep cases: FastStep(bucket_view=False), DDP built with its "
+                   "default, each gradient copied back from DDP's bucket after the all-reduce (FastStep's default: views, no copy)")
     p.add_argument('--model-graph', action='store_true', help="FastStep cases: FastStep(whole_step=False), the model's forward and "
                    "backward captured alone (DDP's hooks all-reduce uncaptured), as before 2026-11-29; else the step is one graph where it can be")
     p.add_argument('--decoder-cost', type=float, default=None, help="decode_on='auto': price the GPU decoder's start at this "
@@ -306,14 +305,14 @@ def main():
         most = torch.cuda.device_count() if a.compare == 'max' else int(a.compare)
         if a.n_per_class is None and a.path is None: a.n_per_class = n_per_class_for(a.images_per_rank, most)
         keep = [x for k in ('arch', 'path', 'bs', 'size', 'n_per_class', 'epochs', 'num_threads', 'hw_decoder_load', 'decode_on', 'decoder_cost') if getattr(a, k) is not None
-                for x in (f"--{k.replace('_', '-')}", str(getattr(a, k)))] + ['--no-priority-stream']*a.no_priority_stream + ['--broadcast-buffers']*a.broadcast_buffers + ['--no-kept-decoder']*a.no_kept_decoder + ['--bucket-view']*a.bucket_view + ['--every-rank-says']*a.every_rank_says
+                for x in (f"--{k.replace('_', '-')}", str(getattr(a, k)))] + ['--no-priority-stream']*a.no_priority_stream + ['--broadcast-buffers']*a.broadcast_buffers + ['--no-kept-decoder']*a.no_kept_decoder + ['--no-bucket-view']*a.no_bucket_view + ['--every-rank-says']*a.every_rank_says
         cases = [int(c) for c in a.cases.split(',')] if a.cases else None
         if cases and not all(1 <= c <= len(CASES) for c in cases):
             raise SystemExit(f"--cases {a.cases}: each must be a row of the table, 1 to {len(CASES)}")
-        if a.bucket_view and not (cases and set(cases) <= set(VIEW_CASES)): raise SystemExit(VIEWS_REFUSED)
-        out = Path(a.out if not a.bucket_view or a.out != OUT else 'ddp_bench_bucket_view.json')  # not mixed with DDP's default's rows
-        return compare(gpu_counts(most), keep, a.bs, out, a.fresh, cases, a.arch + (', DDP with gradient_as_bucket_view=True' if a.bucket_view else ''))
-    if a.bucket_view and (a.synthetic or a.plain_dali or a.loader_only or not (a.fast_step or a.graph or a.auto)): raise SystemExit(VIEWS_REFUSED)
+        if a.no_bucket_view and not (cases and set(cases) <= set(VIEW_CASES)): raise SystemExit(VIEWS_REFUSED)
+        out = Path(a.out if not a.no_bucket_view or a.out != OUT else 'ddp_bench_no_bucket_view.json')  # not mixed with FastStep's default's rows
+        return compare(gpu_counts(most), keep, a.bs, out, a.fresh, cases, a.arch + (", FastStep's DDP with its default gradients (no bucket views)" if a.no_bucket_view else ''))
+    if a.no_bucket_view and (a.synthetic or a.plain_dali or a.loader_only or not (a.fast_step or a.graph or a.auto)): raise SystemExit(VIEWS_REFUSED)
     if a.no_kept_decoder: dali_fastai.loader.keep_decoder = lambda *args: None  # a probe's switch, as tools/session_starts.py's
     if a.every_rank_says: dali_fastai.capture.rank_distrib = lambda: 0  # a probe's switch: `GraphCapture` and `ForwardCapture` say it on rank 0 only
     if a.decoder_cost is not None: dali_fastai.loader.gpu_decoder_cost = lambda *args: a.decoder_cost  # the move, and its trial, early
@@ -338,10 +337,10 @@ def main():
     else:
         graph = 'auto' if a.auto else a.graph
         times,costs,each = fit_epochs(dls, a.epochs, world, a.sync_bn, bar=not a.no_bar, fused=a.fused_adamw, fast_step=a.fast_step or a.auto,
-                           graph=graph, arch=a.arch, broadcast_buffers=a.broadcast_buffers, bucket_view=a.bucket_view, whole_step=not a.model_graph)
+                           graph=graph, arch=a.arch, broadcast_buffers=a.broadcast_buffers, bucket_view=not a.no_bucket_view, whole_step=not a.model_graph)
         what = (f"{a.arch} bf16, fastai + dali_fastai, sync_bn={a.sync_bn}{', no progress bar' if a.no_bar else ''}"
                 f"{', fused AdamW' if a.fused_adamw else ''}{f', FastStep(graph={graph!r})' if a.fast_step or a.graph or a.auto else ''}"
-                f"{', buffers broadcast each forward' if a.broadcast_buffers else ''}{', gradients as bucket views' if a.bucket_view and world > 1 else ''}{', the model alone captured' if a.model_graph else ''}")
+                f"{', buffers broadcast each forward' if a.broadcast_buffers else ''}{', DDP default gradients (no bucket views)' if a.no_bucket_view and world > 1 else ''}{', the model alone captured' if a.model_graph else ''}")
     img_s = n_imgs*world*(len(times)-1)/sum(times[1:])
     whole = n_imgs*world*len(times)/sum(times)  # what the user waits for: the first epoch (builds, capture, cuDNN) included
     if a.result and rank == 0: Path(a.result).write_text(json.dumps({'img_s': img_s, 'whole_img_s': whole}))

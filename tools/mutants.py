@@ -284,6 +284,14 @@ MUTANTS = [
      "after a failed capture the generator gets a new state, the graphs captured before keep the one left in capture mode: their next replay fails (killed on a GPU only)"),
     ('epoch', "elif waits and (step_done is None or step_done()):", "elif waits:",
      "a wait behind a step still running counts as the loader's: a GPU-bound step moves decode_on='auto' to the GPU's decoders"),
+    ('faststep', "        if self.bucket_view and isinstance(self.learn.opt, FastOptimizer): self._views", "        if self.bucket_view: self._views",
+     "DDP built with bucket views for fastai's own optimizer, whose zero_grad refuses them"),
+    ('faststep', "        if self.bucket_view and isinstance(self.learn.opt, FastOptimizer): self._views = BucketViews(self.learn)",
+     "        if False: self._views = BucketViews(self.learn)", "FastStep leaves DDP's default gradients: each copied back from its bucket after the all-reduce"),
+    ('distributed', "        self.acc = acc if acc is not None and getattr(acc, 'ddp_handler', False) is None else None",
+     "        self.acc = acc", "the DDP arguments the user gave distrib_ctx replaced by FastStep's bucket views"),
+    ('distributed', "        if self.acc is not None: self.acc.ddp_handler,self.acc = None,None", "        pass",
+     "a later fit with fastai's own optimizer gets DDP with bucket views, which its zero_grad refuses"),
 ]
 
 FAST = ['tests/test_defaults.py', 'tests/test_augment_stats.py']
@@ -309,6 +317,7 @@ SELECTIONS = {  # per module: pytest arguments, relative to the repository root
     'fastopt': ['tests/test_faststep.py'],
     'blocks': ['tests/test_dblock.py'],
 }
+SELECTIONS['distributed'] = ['tests/test_faststep_ddp.py']
 SELECTIONS['epoch'] = SELECTIONS['loader'] + ['tests/test_shards.py']  # the batch arithmetic and `DaliEpoch` keep the loader's promises
 ALL_TESTS = ['tests', '--ignore', 'tests/test_notebooks.py']
 
