@@ -49,7 +49,7 @@ test: venv  ## the test command: exported modules match the notebooks, then pyte
 	  echo "nbdev-export changed $(LIB)/: export the notebooks and commit the result with them:"; echo "$$changed"; \
 	  git --no-pager diff --stat -- $(LIB); exit 1; fi
 	@echo "== pytest -n $(N) tests  (per-test timeout: [tool.pytest.ini_options] in pyproject.toml)"
-	$(BIN)/python -m pytest -n $(N) -ra tests
+	$(BIN)/python -m pytest -n $(N) -ra --durations=30 tests
 
 # The embedded Fashion-MNIST sample at its native 28 px (the command's default, 64 px, upsamples it and takes ~5x longer):
 # a few minutes of training on 2 cores (about 148 s on a busy 2-core machine, issue 41). Each step says how long it took:

@@ -205,12 +205,12 @@ def test_trained_learner(tmp_path):
     learn = vision_learner(dls, resnet18, metrics=accuracy, pretrained=False, path=tmp_path, cbs=Count())
     assert len(normalizes(dls)) == 1
 
-    with learn.no_bar(): learn.fit_one_cycle(2, 3e-3)
+    with learn.no_bar(): learn.fit_one_cycle(1, 3e-3)
     c = counter(learn)
-    assert c.n_train == [len(dls.train)]*2 == [3000//64]*2, "fastai's schedule relies on len(dl) being exact"
-    assert c.n_valid == [len(dls.valid)]*2 == [-(-1000//64)]*2
+    assert c.n_train == [len(dls.train)] == [3000//64], "fastai's schedule relies on len(dl) being exact"
+    assert c.n_valid == [len(dls.valid)] == [-(-1000//64)]
     acc = learn.recorder.values[-1][2]
-    assert acc >= 0.5, f"accuracy {acc:.3f} after 2 epochs: 10 classes, chance is 0.1"
+    assert acc >= 0.4, f"accuracy {acc:.3f} after 1 epoch: 10 classes, chance is 0.1"
 
     # get_preds: one prediction per valid item, in item order
     preds,targs = learn.get_preds()
