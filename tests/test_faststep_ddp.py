@@ -432,6 +432,24 @@ def test_ddp_bench_passes_the_loader_levers_to_every_case(tmp_path, monkeypatch)
     assert seen['num_threads'] == 3 and seen['priority_stream'] is False and seen['hw_decoder_load'] == 1.0
 
 
+def test_ddp_bench_every_rank_says_which_rank_and_which_batch(monkeypatch, capsys):
+    "`--every-rank-says`: the captures' messages on every rank, each warning naming its rank, each inference-forward capture its batch's shape"
+    import warnings
+    from helpers import load_tool
+    from dali_fastai.capture import ForwardCapture
+    ddp = load_tool('ddp_bench')
+    shown,captured = [],[]
+    monkeypatch.setattr(ddp.dali_fastai.capture, 'rank_distrib', lambda: 1)  # rank 1 of a run: says nothing without the probe
+    monkeypatch.setattr(warnings, 'showwarning', lambda message, *args, **kwargs: shown.append(str(message)))  # what the probe wraps
+    monkeypatch.setattr(ForwardCapture, '_capture', lambda self, xs, key: captured.append(key))  # and this (CUDA's)
+    ddp.every_rank_says(1)
+    assert ddp.dali_fastai.capture.rank_distrib() == 0
+    warnings.showwarning(UserWarning('FastStep: a capture failed'), UserWarning, 'capture.py', 1)
+    ForwardCapture._capture(None, (torch.zeros(40, 3, 8, 8),), 'key')
+    assert shown == ['rank 1: FastStep: a capture failed'] and captured == ['key']
+    assert 'ddp_bench rank 1: capturing the inference forward of a (40, 3, 8, 8) batch' in capsys.readouterr().out
+
+
 def test_ddp_bench_keeps_ddp_default_for_faststep_cases_only(tmp_path, monkeypatch):
     """`--compare --no-bucket-view`: FastStep's cases get the flag (`FastStep(bucket_view=False)`) and their own file; any
     other case (built with DDP's default already) is refused before a run"""

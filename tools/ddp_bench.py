@@ -252,6 +252,21 @@ def paid(costs:dict, builds:dict)->str:
     return f"; of which {', '.join(said)}" if said else ''
 
 
+def every_rank_says(rank:int):
+    """A probe's switch (`--every-rank-says`): `GraphCapture` and `ForwardCapture` say a failed capture on every rank, not on
+    rank 0 only; each warning this process prints names its rank, and each inference-forward capture prints its batch's shape"""
+    import warnings
+    from dali_fastai.capture import ForwardCapture
+    dali_fastai.capture.rank_distrib = lambda: 0
+    show = warnings.showwarning
+    warnings.showwarning = lambda message, *args, **kwargs: show(f"rank {rank}: {message}", *args, **kwargs)
+    capture = ForwardCapture._capture
+    def told(self, xs, key):
+        print(f"ddp_bench rank {rank}: capturing the inference forward of a {tuple(xs[0].shape)} batch", flush=True)
+        return capture(self, xs, key)
+    ForwardCapture._capture = told
+
+
 def main():
     p = argparse.ArgumentParser()
     p.add_argument('--arch', default='resnet50', choices=sorted(ARCHS), help="the model (default: resnet50)")
@@ -298,7 +313,7 @@ def main():
     p.add_argument('--decoder-cost', type=float, default=None, help="decode_on='auto': price the GPU decoder's start at this "
                    "many seconds of the host's waits (default: gpu_decoder_cost's), to see the move and its one-epoch trial in a short run")
     p.add_argument('--every-rank-says', action='store_true', help="FastStep's messages (a capture that failed) from every rank, "
-                   "not from the first only: a capture failing on one rank alone is said")
+                   "not from the first only, each naming its rank, and each inference-forward capture's batch shape: a capture failing on one rank alone is said")
     p.add_argument('--result', default=None, help='rank 0 writes {"img_s": ...} here')
     a = p.parse_args()
     if a.compare:
@@ -314,9 +329,9 @@ def main():
         return compare(gpu_counts(most), keep, a.bs, out, a.fresh, cases, a.arch + (", FastStep's DDP with its default gradients (no bucket views)" if a.no_bucket_view else ''))
     if a.no_bucket_view and (a.synthetic or a.plain_dali or a.loader_only or not (a.fast_step or a.graph or a.auto)): raise SystemExit(VIEWS_REFUSED)
     if a.no_kept_decoder: dali_fastai.loader.keep_decoder = lambda *args: None  # a probe's switch, as tools/session_starts.py's
-    if a.every_rank_says: dali_fastai.capture.rank_distrib = lambda: 0  # a probe's switch: `GraphCapture` and `ForwardCapture` say it on rank 0 only
     if a.decoder_cost is not None: dali_fastai.loader.gpu_decoder_cost = lambda *args: a.decoder_cost  # the move, and its trial, early
     rank, world = int(os.environ.get('RANK', 0)), int(os.environ.get('WORLD_SIZE', 1))
+    if a.every_rank_says: every_rank_says(rank)
     torch.cuda.set_device(int(os.environ.get('LOCAL_RANK', 0)))
     path = a.path or bench_images(n_per_class=a.n_per_class or 2000)  # the same folder on every rank (written once, atomically)
     dls = DaliDataLoaders.from_folder(path, valid_pct=0.1, bs=a.bs, size=a.size, seed=0, num_threads=a.num_threads,
