@@ -73,9 +73,11 @@ def sync_bn_note(model:torch.nn.Module, # the model being fit
             "with sync_bn=False). Use learn.distrib_ctx(sync_bn=False), each "
             "GPU's BatchNorm on its own batch, unless a GPU's batch is too small for its own statistics")
 
-def _in_ddp(learn)->bool:
-    "Inside `learn.distrib_ctx()`: fastai's `DistributedTrainer` is among the callbacks (also with one process)"
-    return any(isinstance(cb, DistributedTrainer) for cb in learn.cbs)
+def _ddp_trainer(learn)->DistributedTrainer|None:
+    "Inside `learn.distrib_ctx()` (also with one process): fastai's `DistributedTrainer` among the callbacks; else None"
+    return next((cb for cb in learn.cbs if isinstance(cb, DistributedTrainer)), None)
+
+def _in_ddp(learn)->bool: return _ddp_trainer(learn) is not None
 
 _said_sync_bn = [] # a note said by this process: once is enough
 def say_sync_bn(learn):
@@ -161,8 +163,7 @@ class BucketViews:
     "For the DDP fastai's `DistributedTrainer` builds next: each gradient a view of DDP's bucket (`gradient_as_bucket_view=True`), unless the user gave DDP's arguments"
     def __init__(self, learn, # a `Learner` inside `learn.distrib_ctx()`; anything else: nothing done
                 ):
-        trainer = next((cb for cb in learn.cbs if isinstance(cb, DistributedTrainer)), None)
-        acc = getattr(trainer, 'accelerator', None)
+        acc = getattr(_ddp_trainer(learn), 'accelerator', None)
         # `ddp_handler`: the `DistributedDataParallelKwargs` the user gave `distrib_ctx`, None when none (accelerate >= 0.20)
         self.acc = acc if acc is not None and getattr(acc, 'ddp_handler', False) is None else None
         if self.acc is not None:

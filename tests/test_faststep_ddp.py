@@ -322,26 +322,21 @@ def test_fast_step_fit_with_sync_batchnorm_says_so_once(files, tmp_path, monkeyp
 
 # ---------------------------------------------------------------- DDP's gradients as views of its buckets
 
-class _Accelerator:
-    "What fastai's `DistributedTrainer` builds DDP from: accelerate's `Accelerator`, its `ddp_handler` alone"
-    def __init__(self, ddp_handler=None): self.ddp_handler = ddp_handler
-
-
 class _BuildsDDP(_FakeDDP):
-    "fastai's DistributedTrainer as `BucketViews` sees it: DDP's arguments read from its accelerator at its `before_fit`"
-    def __init__(self, handler=None): self.accelerator,self.built = _Accelerator(handler),[]
+    "fastai's DistributedTrainer as `BucketViews` sees it: DDP's arguments read from its accelerator (its `ddp_handler` alone) at its `before_fit`"
+    def __init__(self, handler=None): self.accelerator,self.built = SimpleNamespace(ddp_handler=handler),[]
     def before_fit(self):
         h = self.accelerator.ddp_handler
         self.built.append(h.to_kwargs() if h is not None else {})
 
 
-def _fit_under(tmp_path, files, step:FastStep, handler=None, opt_func=None)->tuple:
+def _fit_under(tmp_path, files, step:FastStep, handler=None)->tuple:
     "Two fits and a `get_preds` with `step` and DDP built as fastai builds it; what DDP got each time, and the handler after"
     dls = DaliDataLoaders(index_loader(files[:16], 4, train=True, seed=0, warp_mode=None), index_loader(files[16:24], 4),
                           path=tmp_path, device='cpu')
     trainer = _BuildsDDP(handler)
     learn = Learner(dls, nn.Sequential(nn.Flatten(), nn.Linear(192, MAX_INDEX)), loss_func=CrossEntropyLossFlat(),
-                    cbs=[step, trainer], **({'opt_func': opt_func} if opt_func else {}))
+                    cbs=[step, trainer])
     with learn.no_bar(), learn.no_logging():
         learn.fit(1); learn.get_preds(); learn.fit(1)
     return trainer.built,trainer.accelerator.ddp_handler
