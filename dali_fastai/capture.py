@@ -9,6 +9,7 @@ __all__ = ['RACE_FROM', 'STEP_EVENTS', 'WHOLE_WARMUP', 'DDP_WARMUP', 'AROUND_THE
            'GraphCapture', 'ForwardCapture']
 
 # %% ../nbs/07e0_capture.ipynb #f4d318ce
+import gc
 import time
 import traceback
 import weakref
@@ -111,12 +112,17 @@ def _rng_out_of_capture(device:torch.device):
 
 _TORCH = str(Path(torch.__file__).parent)
 
+def _chain(e:Exception)->list:
+    "`e` and the exceptions it was raised while handling, last first (four at most)"
+    chain = [e]
+    while len(chain) < 4 and (c := chain[-1].__cause__ or chain[-1].__context__) is not None: chain.append(c)
+    return chain
+
 def _failure(e:Exception)->str:
     "What a failed capture raised, first error first, each by its type and first line, the first with the line of code it came from"
     # `capture_end` raises 'operation failed due to a previous error during capture', which hides the op that broke the
     # capture (a host read, a sync): that one is the exception it was raised while handling
-    chain = [e]
-    while len(chain) < 4 and (c := chain[-1].__cause__ or chain[-1].__context__) is not None: chain.append(c)
+    chain = _chain(e)
     first = chain[-1]
     where = next((f"{Path(f.filename).name}:{f.lineno} in {f.name}" for f in reversed(traceback.extract_tb(first.__traceback__))
                   if not f.filename.startswith(_TORCH)), None)
@@ -124,20 +130,41 @@ def _failure(e:Exception)->str:
     if where: said[0] += f" (at {where})"
     return '; then '.join(said)
 
+_INVALIDATED = 'operation failed due to a previous error during capture' # CUDA's error for a capture something else broke
+
+def _invalidated(e:Exception)->bool:
+    "Whether nothing this thread ran broke the capture that raised `e`: its first error is CUDA's 'invalidated' one, as another thread's sync of the device leaves"
+    return _INVALIDATED in str(_chain(e)[-1])
+
+@contextmanager
+def _no_collection():
+    "Python's cyclic garbage collector off (as it was before, after): what it frees may sync the device, which breaks a capture"
+    # a DALI pipeline let go of in a reference cycle waits for the collector, and its destructor syncs the device: freed
+    # mid-capture, by a forward's allocations running the collector, it stops the process (DALI's CUDAError, "operation not
+    # permitted when stream is capturing"; on an H200, tools/capture_beside.py)
+    was = gc.isenabled()
+    gc.disable()
+    try: yield
+    finally:
+        if was: gc.enable()
+
 @contextmanager
 def _capturing(capture, # a `GraphCapture` or `ForwardCapture`: told why a capture failed (`_fail`), its `capture_seconds` counted
                device:torch.device, # where the capture runs
                what:str, # what is captured, for the message
                fail:Callable|None=None, # told why, instead of `capture._fail`
+               again:Callable|None=None, # told why instead, when another thread broke the capture (`_invalidated`): its next try may hold
               ):
-    "Count a capture's seconds; if it fails, put back the stream and the generator it left in capture mode, then say why (Ctrl-C goes on up)"
+    "Count a capture's seconds, the garbage collector off; if it fails, put back the stream and the generator it left in capture mode, then say why (Ctrl-C goes on up)"
     stream,start = torch.cuda.current_stream(device),time.perf_counter()  # a failed capture leaves its own stream current
-    try: yield
+    try:
+        with _no_collection(): yield
     except BaseException as e:
         torch.cuda.set_stream(stream)
         _rng_out_of_capture(device)
         if not isinstance(e, Exception): raise
-        (fail or capture._fail)(f"capturing {what} failed ({_failure(e)})")
+        why = f"capturing {what} failed ({_failure(e)})"
+        (again if again is not None and _invalidated(e) else fail or capture._fail)(why)
     finally: capture.capture_seconds += time.perf_counter() - start
 
 # the events at which a callback could change the step between the forward and the optimizer (its prediction, its loss,
@@ -396,6 +423,7 @@ def _modes(m)->tuple|None:
 class ForwardCapture:
     "The model's inference forward (eval mode, no gradient: validation, `get_preds`, `predict`) replayed as CUDA graphs, one a few input shapes"
     max_graphs = 4 # shapes captured at most; inputs of other shapes run uncaptured
+    retries = 2 # captures another thread broke (`_invalidated`) tried again, each at the shape's next forward, a model at most
     def __init__(self, warn:Callable): # says, once, why a forward runs uncaptured
         self.warn,self.model,self.capture_seconds,self.replays,self.modes = warn,None,0.,0,False
         self._forget()
@@ -404,7 +432,7 @@ class ForwardCapture:
     def __reduce__(self): return (type(self), (self.warn,), {'model': self.model})
 
     def _forget(self, m=None, state:tuple|None=None):
-        self.of,self.graphs,self.seen,self.state = (weakref.ref(m) if m is not None else None),{},{},state
+        self.of,self.graphs,self.seen,self.state,self.broken = (weakref.ref(m) if m is not None else None),{},{},state,0
         self.failed = _held_tensors(m) if m is not None else None  # not said: nothing went wrong, the forward runs as it is
 
     def install(self, model):
@@ -423,6 +451,11 @@ class ForwardCapture:
     def _fail(self, why:str):
         self.failed = why
         if rank_distrib() == 0: self.warn(f"FastStep: {why}; the inference forward (validation, get_preds) runs uncaptured")
+
+    def _again(self, why:str):
+        "A capture another thread broke: the shape's next forward tries again, `retries` times a model, then says why"
+        self.broken += 1
+        if self.broken > self.retries: self._fail(why)
 
     def _checked(self, m)->bool:
         "Whether this pass's forwards may replay, read at its first (other callbacks' `before_validate`, which may swap weights or set hooks, came first): the graphs of what changed go"
@@ -446,7 +479,7 @@ class ForwardCapture:
                 self.seen.setdefault(key, tree_map(type, out))  # the types the graph's outputs are given
                 return out
             self._capture(xs, key)
-            if self.failed: return self._eager(*args)
+            if key not in self.graphs: return self._eager(*args)
         graph,static,out = self.graphs[key]
         for s,x in zip(static, xs): s.copy_(x)
         graph.replay(); self.replays += 1
@@ -456,7 +489,7 @@ class ForwardCapture:
         "Capture the forward with the shapes of `xs`, under the autocast it runs under (its cast cache off: casts are captured)"
         gpu_libraries_started(); reads_ahead_done()  # the loaders' threads working ahead must not run beside a capture
         static,graph = tuple(x.clone() for x in xs),torch.cuda.CUDAGraph()
-        with _capturing(self, xs[0].device, "the model's inference forward"), torch.autocast(
+        with _capturing(self, xs[0].device, "the model's inference forward", again=self._again), torch.autocast(
                 'cuda', dtype=key[2], enabled=key[1], cache_enabled=False):
             # thread_local: DALI's threads go on with their own CUDA work beside the capture
             with torch.cuda.graph(graph, capture_error_mode='thread_local'): out = self._eager(*static)

@@ -1,6 +1,7 @@
 """`FastStep` with the rest of fastai's Learner API, on dali_fastai's loaders (DALI's CPU backend) and fastai's own.
 
 Each test asserts what would break if `FastStep` got in the way: the API runs, and its result is what fastai's gives."""
+import threading
 import warnings
 from functools import partial
 from types import SimpleNamespace
@@ -18,8 +19,10 @@ from fastai.metrics import accuracy
 from fastai.optimizer import Adam, Optimizer, SGD, RMSProp
 from fastai.vision.learner import vision_learner
 
+from dali_fastai import capture
 from dali_fastai.all import *
 from dali_fastai.fastopt import FastOptimizer, torch_step
+from dali_fastai.capture import ForwardCapture
 from dali_fastai.faststep import FastStep
 from helpers import fmnist_path, fmnist_subset, needs_gpu
 from test_distributed import _learner
@@ -708,6 +711,106 @@ def test_capture_right_after_the_gpu_libraries_thread_starts(monkeypatch):
     model(torch.randn(4, 3, 16, 16, device='cuda')).sum().backward()
     assert not warned and cap.graphs, warned
     assert not any(t.is_alive() for t in epoch._STARTING.values()), "the capture waited for the thread to end"
+
+
+class _FreedLate:
+    "Garbage only Python's cyclic collector frees, telling when (as a DALI pipeline let go of earlier, whose destructor syncs the device)"
+    def __init__(self, log:list, when:dict): self.me,self.log,self.when = self,log,when
+    def __del__(self): self.log.append(self.when['now'])
+
+def test_no_garbage_is_collected_during_a_capture(monkeypatch):
+    """What the collector would free mid-capture (a DALI pipeline, whose destructor syncs the device and so breaks the
+    capture, seen on one rank of two H200s) waits until the capture has ended: `_capturing` turns the collector off"""
+    import gc
+    from dali_fastai.capture import _capturing
+    monkeypatch.setattr(torch.cuda, 'current_stream', lambda device=None: None)  # the capture's stream, on a machine without CUDA
+    log,when = [],{'now': 'during'}
+    with _capturing(SimpleNamespace(capture_seconds=0.), torch.device('cpu'), 'the model'):
+        _FreedLate(log, when)
+        junk = [[] for _ in range(20_000)]  # a forward's allocations: enough to run the collector
+        when['now'] = 'after'  # the capture's end: what is freed from here on is freed after it
+    gc.collect()
+    assert log == ['after'] and gc.isenabled(), log
+
+
+@needs_gpu("a CUDA graph's capture beside a DALI pipeline on the GPU")
+def test_a_dali_pipeline_freed_by_the_collector_does_not_break_a_capture():
+    """A DALI pipeline let go of in a reference cycle is freed by the collector, and its destructor syncs the device: had the
+    collector run during the inference forward's capture, run by the forward's allocations, the process would stop (DALI's
+    CUDAError, "operation not permitted when stream is capturing"; seen with the collector left on)"""
+    import gc
+    from nvidia.dali import fn, pipeline_def
+    @pipeline_def(batch_size=4, num_threads=1, device_id=torch.cuda.current_device())
+    def _gpu_pipe(): return fn.random.uniform(shape=[1024]).gpu()*2
+    class _Allocates(nn.Module):  # a forward that makes garbage enough to run the collector
+        def __init__(self): super().__init__(); self.body = small_cnn(2)
+        def forward(self, x): junk = [[] for _ in range(20_000)]; return self.body(x)
+    model = _Allocates().cuda().eval()
+    warned = []; fc = ForwardCapture(warned.append)
+    fc.install(model)
+    x,log = torch.randn(8, 3, 16, 16, device='cuda'),[]
+    with torch.no_grad():
+        for _ in range(3):
+            fc._forget(); fc.modes = False  # captured anew, beside new garbage
+            eager = model(x)  # the first forward of a shape runs uncaptured
+            p = _gpu_pipe(); p.build(); p.run(); torch.cuda.synchronize()
+            gc.collect(); _FreedLate(log, {'now': 'freed'}).pipe = p; del p  # the pipeline's only holder, in a cycle
+            out = model(x)  # captured: the collector is due during its forward
+    gc.collect()
+    assert not warned and fc.graphs and fc.replays >= 3, warned
+    assert len(log) == 3
+    torch.testing.assert_close(out, eager)
+
+
+def _raised_while_capturing(first:str):
+    "A capture's end raising CUDA's 'invalidated' error while handling `first`, the error that broke it"
+    try: raise RuntimeError(f"CUDA error: {first}")
+    finally: raise RuntimeError("CUDA error: operation failed due to a previous error during capture\nSearch for ...")
+
+@pytest.mark.parametrize('first,told', [('operation failed due to a previous error during capture', 'again'),
+                                        ('operation not permitted when stream is capturing', 'fail')])
+def test_a_capture_another_thread_broke_is_told_apart(monkeypatch, first, told):
+    """A capture whose first error is CUDA's 'invalidated' one was broken by no op of its own (another thread synced the
+    device): `again` is told, to try at the next forward; one that an op of the capture broke (a host read) is a failure"""
+    from dali_fastai.capture import _capturing
+    monkeypatch.setattr(torch.cuda, 'current_stream', lambda device=None: None)  # what CUDA's calls give, without CUDA
+    monkeypatch.setattr(torch.cuda, 'set_stream', lambda stream: None)
+    monkeypatch.setattr(capture, '_rng_out_of_capture', lambda device: None)
+    seen = []
+    with _capturing(SimpleNamespace(capture_seconds=0.), torch.device('cpu'), 'the model', fail=lambda why: seen.append(('fail', why)),
+                    again=lambda why: seen.append(('again', why))):
+        _raised_while_capturing(first)
+    assert [k for k,_ in seen] == [told] and seen[0][1].startswith(f'capturing the model failed (RuntimeError: CUDA error: {first}'), seen
+
+
+def _sync_quietly():
+    try: torch.cuda.synchronize()
+    except RuntimeError: pass  # "operation not permitted when stream is capturing": said to this thread, and the capture is broken
+
+class _SyncedElsewhere(nn.Module):
+    "Has another thread sync the device during its first `times` captures (as an unknown thread did beside one on 2 H200s)"
+    def __init__(self, times:int): super().__init__(); self.body,self.times = small_cnn(2),times
+    def forward(self, x):
+        if self.times and torch.cuda.is_current_stream_capturing():
+            self.times -= 1
+            t = threading.Thread(target=_sync_quietly); t.start(); t.join()
+        return self.body(x*1)
+
+@needs_gpu("a CUDA graph's capture, broken by another thread's sync")
+@pytest.mark.parametrize('breaks', [ForwardCapture.retries, ForwardCapture.retries + 1])
+def test_a_capture_another_thread_broke_is_tried_again(breaks):
+    """The inference forward's capture broken by another thread's sync of the device is tried again at the next forward of
+    that shape, `retries` times, then said once: each forward meanwhile gives what the uncaptured forward gives"""
+    model = _SyncedElsewhere(breaks).cuda().eval()
+    warned = []; fc = ForwardCapture(warned.append)
+    fc.install(model)
+    x = torch.randn(8, 3, 16, 16, device='cuda')
+    with torch.no_grad(): outs = [model(x) for _ in range(breaks + 3)]  # uncaptured first; then the tries, and replays
+    for out in outs[1:]: torch.testing.assert_close(out, outs[0])
+    if breaks <= ForwardCapture.retries: assert not warned and fc.graphs and fc.replays == 2, (warned, fc.replays)
+    else:
+        assert len(warned) == 1 and 'operation failed due to a previous error during capture' in warned[0], warned
+        assert not fc.graphs and fc.replays == 0
 
 
 # ---------------------------------------------------------------- the inference forward, captured (`ForwardCapture`)

@@ -428,8 +428,8 @@ def test_ddp_bench_passes_the_loader_levers_to_every_case(tmp_path, monkeypatch)
 
 
 def test_ddp_bench_every_rank_says_which_rank_and_which_batch(monkeypatch, capsys):
-    "`--every-rank-says`: the captures' messages on every rank, each warning naming its rank, each inference-forward capture its batch's shape"
-    import warnings
+    "`--every-rank-says`: the captures' messages on every rank, each warning naming its rank, each inference-forward capture its batch's shape, each broken one tried again, each collection mid-capture"
+    import gc, warnings
     from helpers import load_tool
     from dali_fastai.capture import ForwardCapture
     ddp = load_tool('ddp_bench')
@@ -437,12 +437,23 @@ def test_ddp_bench_every_rank_says_which_rank_and_which_batch(monkeypatch, capsy
     monkeypatch.setattr(ddp.dali_fastai.capture, 'rank_distrib', lambda: 1)  # rank 1 of a run: says nothing without the probe
     monkeypatch.setattr(warnings, 'showwarning', lambda message, *args, **kwargs: shown.append(str(message)))  # what the probe wraps
     monkeypatch.setattr(ForwardCapture, '_capture', lambda self, xs, key: captured.append(key))  # and this (CUDA's)
-    ddp.every_rank_says(1)
-    assert ddp.dali_fastai.capture.rank_distrib() == 0
-    warnings.showwarning(UserWarning('FastStep: a capture failed'), UserWarning, 'capture.py', 1)
-    ForwardCapture._capture(None, (torch.zeros(40, 3, 8, 8),), 'key')
-    assert shown == ['rank 1: FastStep: a capture failed'] and captured == ['key']
-    assert 'ddp_bench rank 1: capturing the inference forward of a (40, 3, 8, 8) batch' in capsys.readouterr().out
+    monkeypatch.setattr(ForwardCapture, '_again', lambda self, why: captured.append(why))  # and this
+    n = len(gc.callbacks)
+    try:
+        ddp.every_rank_says(1)
+        assert ddp.dali_fastai.capture.rank_distrib() == 0
+        warnings.showwarning(UserWarning('FastStep: a capture failed'), UserWarning, 'capture.py', 1)
+        ForwardCapture._capture(None, (torch.zeros(40, 3, 8, 8),), 'key')
+        ForwardCapture._again(None, 'capturing it failed (...)')
+        gc.collect()  # outside a capture: not said
+        monkeypatch.setattr(torch.cuda, 'is_current_stream_capturing', lambda: True)
+        gc.collect()
+    finally: del gc.callbacks[n:]
+    assert shown == ['rank 1: FastStep: a capture failed'] and captured == ['key', 'capturing it failed (...)']
+    out = capsys.readouterr().out
+    assert 'ddp_bench rank 1: capturing it failed (...); tried again at the next forward of that shape' in out
+    assert 'ddp_bench rank 1: capturing the inference forward of a (40, 3, 8, 8) batch' in out
+    assert out.count('garbage collector') == 1 and 'ddp_bench rank 1: the garbage collector ran (generation 2) during a CUDA graph capture' in out, out
 
 
 def test_ddp_bench_keeps_ddp_default_for_faststep_cases_only(tmp_path, monkeypatch):

@@ -254,8 +254,10 @@ def paid(costs:dict, builds:dict)->str:
 
 def every_rank_says(rank:int):
     """A probe's switch (`--every-rank-says`): `GraphCapture` and `ForwardCapture` say a failed capture on every rank, not on
-    rank 0 only; each warning this process prints names its rank, and each inference-forward capture prints its batch's shape"""
-    import warnings
+    rank 0 only; each warning this process prints names its rank, each inference-forward capture prints its batch's shape,
+    one that another thread broke (tried again at the next forward) is said, and so is a run of Python's garbage collector
+    during a capture (what it frees may sync the device)"""
+    import gc, warnings
     from dali_fastai.capture import ForwardCapture
     dali_fastai.capture.rank_distrib = lambda: 0
     show = warnings.showwarning
@@ -265,6 +267,15 @@ def every_rank_says(rank:int):
         print(f"ddp_bench rank {rank}: capturing the inference forward of a {tuple(xs[0].shape)} batch", flush=True)
         return capture(self, xs, key)
     ForwardCapture._capture = told
+    again = ForwardCapture._again
+    def broken(self, why):
+        print(f"ddp_bench rank {rank}: {why}; tried again at the next forward of that shape", flush=True)
+        return again(self, why)
+    ForwardCapture._again = broken
+    def collecting(phase, info):
+        if phase == 'start' and torch.cuda.is_current_stream_capturing():
+            print(f"ddp_bench rank {rank}: the garbage collector ran (generation {info['generation']}) during a CUDA graph capture", flush=True)
+    gc.callbacks.append(collecting)
 
 
 def main():

@@ -292,6 +292,10 @@ MUTANTS = [
      "        self.acc = acc", "the DDP arguments the user gave distrib_ctx replaced by FastStep's bucket views"),
     ('distributed', "        if self.acc is not None: self.acc.ddp_handler,self.acc = None,None", "        pass",
      "a later fit with fastai's own optimizer gets DDP with bucket views, which its zero_grad refuses"),
+    ('capture', "        with _no_collection(): yield", "        yield",
+     "a DALI pipeline freed by the garbage collector mid-capture syncs the device: the process stops"),
+    ('capture', "        (again if again is not None and _invalidated(e) else fail or capture._fail)(why)", "        (fail or capture._fail)(why)",
+     "an inference forward's capture another thread broke is given up on at once: that rank validates uncaptured to the fit's end"),
 ]
 
 FAST = ['tests/test_defaults.py', 'tests/test_augment_stats.py']
