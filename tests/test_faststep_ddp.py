@@ -404,6 +404,21 @@ def test_ddp_bench_has_a_graph_row_and_scales_to_every_count(tmp_path, monkeypat
     assert '| 1 GPU | 2 GPUs | 2 vs 1 |' in t and '| fastai + dali_fastai + FastStep(graph=True), `distrib_ctx(sync_bn=False)` | 100 | 200 | 2.00x |' in t
 
 
+def test_ddp_bench_runs_only_the_counts_asked_for(tmp_path, monkeypatch):
+    "`--compare 4 --counts 1,4`: the cases on 1 and 4 GPUs only (a 4-GPU machine's device time, without the 2-GPU rows); a count above --compare's is refused"
+    from helpers import load_tool
+    ddp = load_tool('ddp_bench')
+    runs = []
+    monkeypatch.setattr(ddp, 'run_case', lambda n, args: runs.append(n) or 1.0)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, 'argv', ['ddp_bench.py', '--compare', '4', '--counts', '4,1', '--cases', '7', '--n-per-class', '4'])
+    ddp.main()
+    assert runs == [1, 4]
+    monkeypatch.setattr(sys, 'argv', ['ddp_bench.py', '--compare', '2', '--counts', '1,4', '--n-per-class', '4'])
+    with pytest.raises(SystemExit, match=r'--counts 1,4: each must be 1 to 2'): ddp.main()
+    assert runs == [1, 4]
+
+
 def test_ddp_bench_passes_the_loader_levers_to_every_case(tmp_path, monkeypatch):
     "`--compare` hands `--num-threads`, `--hw-decoder-load`, `--no-priority-stream` and `--no-kept-decoder` to each case, which gives them to its loaders"
     from helpers import load_tool

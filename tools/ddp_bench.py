@@ -18,7 +18,8 @@ CUDA graphs; DDP's all-reduce runs from its hooks as the replayed backward hands
 `FastStep()`, whose race keeps the captured step where it is faster. `--synthetic --graph` captures the plain loop's
 model the same way: the ceiling of a captured step on this host. `--compare`
 keeps each case's img/s in `--out` (JSON) as it goes and skips those already there, so a run cut short goes on where
-it stopped when started again (`--fresh` starts over, `--cases 1,3` runs only those rows; `--num-threads N` and `--no-priority-stream` set the
+it stopped when started again (`--fresh` starts over, `--cases 1,3` runs only those rows, `--counts 1,4` only those
+counts of GPUs; `--num-threads N` and `--no-priority-stream` set the
 loaders' DALI threads and stream, in every case); it makes the image set large enough that each rank trains on
 about `--images-per-rank` images an epoch on the most GPUs (an epoch of several seconds). Every img/s is the steady
 pace of the epochs after the first (a fit's start is not in it); each case's line also gives the img/s of all its epochs,
@@ -302,6 +303,8 @@ def main():
     p.add_argument('--out', default=OUT, help="--compare: the cases' img/s, kept as they finish (default: ddp_bench.json)")
     p.add_argument('--fresh', action='store_true', help="--compare: run every case again, not only those missing from --out")
     p.add_argument('--cases', default=None, help="--compare: only these cases, by their row in the table, e.g. 1,3,5 (default: all)")
+    p.add_argument('--counts', default=None, help="--compare: only these counts of GPUs, e.g. 1,4 on a 4-GPU machine whose 2-GPU "
+                   "rows are not needed (default: 1, 2, 4, ... up to --compare's)")
     p.add_argument('--num-threads', type=int, default=None, help="the loaders' DALI CPU threads a pipeline (default: "
                    "default_threads(decoding): the cores this process may use, at most 8, or while DALI's CPU threads decode (--decode-on "
                    "cpu, or auto before it moves) all of them, a rank's share): what the loader's cost under DDP owes to them")
@@ -336,8 +339,11 @@ def main():
         if cases and not all(1 <= c <= len(CASES) for c in cases):
             raise SystemExit(f"--cases {a.cases}: each must be a row of the table, 1 to {len(CASES)}")
         if a.no_bucket_view and not (cases and set(cases) <= set(VIEW_CASES)): raise SystemExit(VIEWS_REFUSED)
+        counts = gpu_counts(most) if a.counts is None else sorted({int(c) for c in a.counts.split(',')})
+        if not all(1 <= n <= most for n in counts):
+            raise SystemExit(f"--counts {a.counts}: each must be 1 to {most}, the GPUs --compare {a.compare} gives")
         out = Path(a.out if not a.no_bucket_view or a.out != OUT else 'ddp_bench_no_bucket_view.json')  # not mixed with FastStep's default's rows
-        return compare(gpu_counts(most), keep, a.bs, out, a.fresh, cases, a.arch + (", FastStep's DDP with its default gradients (no bucket views)" if a.no_bucket_view else ''))
+        return compare(counts, keep, a.bs, out, a.fresh, cases, a.arch + (", FastStep's DDP with its default gradients (no bucket views)" if a.no_bucket_view else ''))
     if a.no_bucket_view and (a.synthetic or a.plain_dali or a.loader_only or not (a.fast_step or a.graph or a.auto)): raise SystemExit(VIEWS_REFUSED)
     if a.no_kept_decoder: dali_fastai.loader.keep_decoder = lambda *args: None  # a probe's switch, as tools/session_starts.py's
     if a.decoder_cost is not None: dali_fastai.loader.gpu_decoder_cost = lambda *args: a.decoder_cost  # the move, and its trial, early
