@@ -23,7 +23,9 @@ import torch
 
 
 def first_error(e:BaseException)->str:
-    while (c := e.__cause__ or e.__context__) is not None: e = c
+    "The error that broke a capture (what the rest were raised while handling), by its type and first line"
+    from dali_fastai.capture import _chain
+    e = _chain(e)[-1]
     return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:90]}"
 
 

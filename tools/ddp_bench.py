@@ -327,7 +327,8 @@ def main():
     p.add_argument('--decoder-cost', type=float, default=None, help="decode_on='auto': price the GPU decoder's start at this "
                    "many seconds of the host's waits (default: gpu_decoder_cost's), to see the move and its one-epoch trial in a short run")
     p.add_argument('--every-rank-says', action='store_true', help="FastStep's messages (a capture that failed) from every rank, "
-                   "not from the first only, each naming its rank, and each inference-forward capture's batch shape: a capture failing on one rank alone is said")
+                   "not from the first only, each naming its rank; each inference-forward capture's batch shape, each capture another thread "
+                   "broke (tried again), and each run of the garbage collector during a capture: a capture failing on one rank alone is said")
     p.add_argument('--result', default=None, help='rank 0 writes {"img_s": ...} here')
     a = p.parse_args()
     if a.compare:
