@@ -131,10 +131,36 @@ def _failure(e:Exception)->str:
     return '; then '.join(said)
 
 _INVALIDATED = 'operation failed due to a previous error during capture' # CUDA's error for a capture something else broke
+# how cuDNN and cuBLAS tell of a launch into a capture another thread broke, when one of theirs is the first to meet it
+# (a thread syncing at a random moment of a ResNet-50's capture, on an H200: tools/capture_beside.py --cases after)
+_LIBRARIES_MET = ('cuDNN error: CUDNN_STATUS_', 'CUBLAS_STATUS_EXECUTION_FAILED', 'unable to find an engine')
 
 def _invalidated(e:Exception)->bool:
-    "Whether nothing this thread ran broke the capture that raised `e`: its first error is CUDA's 'invalidated' one, as another thread's sync of the device leaves"
-    return _INVALIDATED in str(_chain(e)[-1])
+    "Whether nothing this thread ran broke the capture that raised `e`: its first error is CUDA's 'invalidated' one, or cuDNN's or cuBLAS's, and the capture's end is 'invalidated', as another thread's sync of the device leaves"
+    chain = _chain(e)
+    first = str(chain[-1])
+    return _INVALIDATED in first or (_INVALIDATED in str(chain[0]) and any(s in first for s in _LIBRARIES_MET))
+
+def _leftovers_spent(device:torch.device):
+    "After a failed capture: a small convolution and matmul, forward (this thread) and backward (autograd's), whose first launches meet the error cuDNN or cuBLAS may have kept from it"
+    # a library that met the broken capture can fail its next launch outside any capture with that error (cuDNN's
+    # CUDNN_STATUS_EXECUTION_FAILED_CUDART, on an H200 and on one rank of two, where it stopped the fit): met here instead
+    if device.type != 'cuda': return
+    x = torch.ones(1, 1, 4, 4, device=device, requires_grad=True)
+    for f in (lambda: torch.nn.functional.conv2d(x, x[..., :3, :3]), lambda: x[0, 0] @ x[0, 0]):
+        try:
+            with torch.enable_grad(), torch.autocast('cuda', enabled=False): f().sum().backward()  # the backward: autograd's own thread
+        except RuntimeError: pass
+
+def _pool_released(pool, # the memory pool (`torch.cuda.graph_pool_handle()`) a capture that failed was given
+                   device:torch.device):
+    "Let the allocator have back the memory pool of a capture that failed: PyTorch releases a graph's pool only once its capture ended"
+    # 40 captures of a ResNet-50's forward (bf16, 64 images) broken after it kept 4,804 MiB on an H200, which `empty_cache`
+    # did not give back (tools/capture_beside.py --cases leaks)
+    release = getattr(torch._C, '_cuda_releasePool', None)  # PyTorch's own call for a graph's pool, in `CUDAGraph.reset`
+    if release is None: return
+    try: release(device.index if device.index is not None else torch.cuda.current_device(), pool)
+    except RuntimeError: pass  # no such pool: the capture failed before it began
 
 @contextmanager
 def _no_collection():
@@ -154,6 +180,7 @@ def _capturing(capture, # a `GraphCapture` or `ForwardCapture`: told why a captu
                what:str, # what is captured, for the message
                fail:Callable|None=None, # told why, instead of `capture._fail`
                again:Callable|None=None, # told why instead, when another thread broke the capture (`_invalidated`): its next try may hold
+               pool=None, # the memory pool the capture was given (`torch.cuda.graph_pool_handle()`): released if it fails
               ):
     "Count a capture's seconds, the garbage collector off; if it fails, put back the stream and the generator it left in capture mode, then say why (Ctrl-C goes on up)"
     stream,start = torch.cuda.current_stream(device),time.perf_counter()  # a failed capture leaves its own stream current
@@ -163,6 +190,8 @@ def _capturing(capture, # a `GraphCapture` or `ForwardCapture`: told why a captu
         torch.cuda.set_stream(stream)
         _rng_out_of_capture(device)
         if not isinstance(e, Exception): raise
+        _leftovers_spent(device)
+        if pool is not None: _pool_released(pool, device)
         why = f"capturing {what} failed ({_failure(e)})"
         (again if again is not None and _invalidated(e) else fail or capture._fail)(why)
     finally: capture.capture_seconds += time.perf_counter() - start
@@ -323,14 +352,14 @@ class GraphCapture:
         gpu_libraries_started(); reads_ahead_done()
         self._let_the_last_graph_go()
         for p in learn.model.parameters(): p.grad = None # made by the captured backward, in the graph's memory: each replay writes them anew
-        sx,sy,graph = tuple(x.clone() for x in xs),tuple(y.clone() for y in ys),torch.cuda.CUDAGraph()
+        sx,sy,graph,pool = tuple(x.clone() for x in xs),tuple(y.clone() for y in ys),torch.cuda.CUDAGraph(),torch.cuda.graph_pool_handle()
         cast = any(isinstance(cb, MixedPrecision) for cb in learn.cbs)  # whose `after_pred` gives the loss a float prediction
         # on the step's stream (the loader's, where DDP's gradient nodes were made); fastai's loaders run it on the default
         # stream, where no capture can run: there the graph's own stream
         stream = torch.cuda.current_stream(device)
-        with _capturing(self, device, 'the step', self._fail_whole), _quiet_stream_mismatch():
+        with _capturing(self, device, 'the step', self._fail_whole, pool=pool), _quiet_stream_mismatch():
             # thread_local: DALI's threads go on with their own CUDA work beside the capture
-            with torch.cuda.graph(graph, stream=None if stream == torch.cuda.default_stream(device) else stream, capture_error_mode='thread_local'):
+            with torch.cuda.graph(graph, pool=pool, stream=None if stream == torch.cuda.default_stream(device) else stream, capture_error_mode='thread_local'):
                 with torch.autocast('cuda', dtype=torch.get_autocast_dtype('cuda'), enabled=torch.is_autocast_enabled('cuda'), cache_enabled=False):
                     pred = self._eager(*sx)
                     if cast: pred = to_float(pred)
@@ -488,9 +517,9 @@ class ForwardCapture:
     def _capture(self, xs:tuple, key:tuple):
         "Capture the forward with the shapes of `xs`, under the autocast it runs under (its cast cache off: casts are captured)"
         gpu_libraries_started(); reads_ahead_done()  # the loaders' threads working ahead must not run beside a capture
-        static,graph = tuple(x.clone() for x in xs),torch.cuda.CUDAGraph()
-        with _capturing(self, xs[0].device, "the model's inference forward", again=self._again), torch.autocast(
+        static,graph,pool = tuple(x.clone() for x in xs),torch.cuda.CUDAGraph(),torch.cuda.graph_pool_handle()
+        with _capturing(self, xs[0].device, "the model's inference forward", again=self._again, pool=pool), torch.autocast(
                 'cuda', dtype=key[2], enabled=key[1], cache_enabled=False):
             # thread_local: DALI's threads go on with their own CUDA work beside the capture
-            with torch.cuda.graph(graph, capture_error_mode='thread_local'): out = self._eager(*static)
+            with torch.cuda.graph(graph, pool=pool, capture_error_mode='thread_local'): out = self._eager(*static)
             self.graphs[key] = (graph, static, out)

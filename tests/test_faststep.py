@@ -768,19 +768,37 @@ def _raised_while_capturing(first:str):
     finally: raise RuntimeError("CUDA error: operation failed due to a previous error during capture\nSearch for ...")
 
 @pytest.mark.parametrize('first,told', [('operation failed due to a previous error during capture', 'again'),
+                                        # cuDNN and cuBLAS, when one of their launches is the first to meet the broken capture (on an H200)
+                                        ('cuDNN error: CUDNN_STATUS_EXECUTION_FAILED_CUDART', 'again'),
+                                        ('CUBLAS_STATUS_EXECUTION_FAILED when calling `cublasSgemm( handle, opa, opb, m, n, k)`', 'again'),
                                         ('operation not permitted when stream is capturing', 'fail')])
 def test_a_capture_another_thread_broke_is_told_apart(monkeypatch, first, told):
-    """A capture whose first error is CUDA's 'invalidated' one was broken by no op of its own (another thread synced the
-    device): `again` is told, to try at the next forward; one that an op of the capture broke (a host read) is a failure"""
+    """A capture whose first error is CUDA's 'invalidated' one, or cuDNN's or cuBLAS's before capture's end said 'invalidated',
+    was broken by no op of its own (another thread synced the device): `again` is told, to try at the next forward; one that
+    an op of the capture broke (a host read) is a failure. Either way the libraries' leftovers are met, and the graph's pool released"""
     from dali_fastai.capture import _capturing
     monkeypatch.setattr(torch.cuda, 'current_stream', lambda device=None: None)  # what CUDA's calls give, without CUDA
     monkeypatch.setattr(torch.cuda, 'set_stream', lambda stream: None)
     monkeypatch.setattr(capture, '_rng_out_of_capture', lambda device: None)
+    spent,released,pool = [],[],(0, 7)
+    monkeypatch.setattr(capture, '_leftovers_spent', spent.append)
+    monkeypatch.setattr(capture, '_pool_released', lambda p, device: released.append(p))
     seen = []
     with _capturing(SimpleNamespace(capture_seconds=0.), torch.device('cpu'), 'the model', fail=lambda why: seen.append(('fail', why)),
-                    again=lambda why: seen.append(('again', why))):
+                    again=lambda why: seen.append(('again', why)), pool=pool):
         _raised_while_capturing(first)
     assert [k for k,_ in seen] == [told] and seen[0][1].startswith(f'capturing the model failed (RuntimeError: CUDA error: {first}'), seen
+    assert spent == [torch.device('cpu')] and released == [pool]
+
+
+def test_a_library_error_without_a_broken_capture_is_a_failure():
+    "cuDNN's error in a capture whose end did not say 'invalidated' (or outside any capture's end) is the model's own: not tried again"
+    from dali_fastai.capture import _invalidated
+    try:
+        try: raise RuntimeError("cuDNN error: CUDNN_STATUS_EXECUTION_FAILED_CUDART")
+        finally: raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+    except RuntimeError as e: assert not _invalidated(e)
+    assert not _invalidated(RuntimeError("cuDNN error: CUDNN_STATUS_EXECUTION_FAILED_CUDART"))
 
 
 def _sync_quietly():
@@ -788,13 +806,17 @@ def _sync_quietly():
     except RuntimeError: pass  # "operation not permitted when stream is capturing": said to this thread, and the capture is broken
 
 class _SyncedElsewhere(nn.Module):
-    "Has another thread sync the device during its first `times` captures (as an unknown thread did beside one on 2 H200s)"
-    def __init__(self, times:int): super().__init__(); self.body,self.times = small_cnn(2),times
+    "Has another thread sync the device during its first `times` captures (as an unknown thread did beside one on 2 H200s), before its forward or after"
+    def __init__(self, times:int, after:bool=False): super().__init__(); self.body,self.times,self.after = small_cnn(2),times,after
     def forward(self, x):
-        if self.times and torch.cuda.is_current_stream_capturing():
-            self.times -= 1
-            t = threading.Thread(target=_sync_quietly); t.start(); t.join()
-        return self.body(x*1)
+        breaks = self.times and torch.cuda.is_current_stream_capturing()
+        if breaks: self.times -= 1
+        if breaks and not self.after: _sync_elsewhere()
+        out = self.body(x*1)
+        if breaks and self.after: _sync_elsewhere()
+        return out
+
+def _sync_elsewhere(): t = threading.Thread(target=_sync_quietly); t.start(); t.join()
 
 @needs_gpu("a CUDA graph's capture, broken by another thread's sync")
 @pytest.mark.parametrize('breaks', [ForwardCapture.retries, ForwardCapture.retries + 1])
@@ -811,6 +833,29 @@ def test_a_capture_another_thread_broke_is_tried_again(breaks):
     else:
         assert len(warned) == 1 and 'operation failed due to a previous error during capture' in warned[0], warned
         assert not fc.graphs and fc.replays == 0
+
+
+
+@needs_gpu("a CUDA graph's capture, broken by another thread's sync, and the memory it kept")
+def test_a_broken_capture_gives_its_memory_back(monkeypatch):
+    """A capture another thread broke after the forward (its pool full of the forward's memory) gives that pool back: after
+    `empty_cache`, two broken captures keep less than half of what they keep with `_pool_released` left out"""
+    def kept_by_two_breaks()->int:
+        model = _SyncedElsewhere(ForwardCapture.retries, after=True).cuda().eval()
+        fc = ForwardCapture(lambda m: None); fc.install(model)
+        x = torch.randn(64, 3, 64, 64, device='cuda')
+        with torch.no_grad():
+            model(x)  # the first forward of a shape runs uncaptured
+            torch.cuda.synchronize(); torch.cuda.empty_cache(); before = torch.cuda.memory_reserved()
+            for _ in range(ForwardCapture.retries): model(x)  # broken captures, tried again
+        assert fc.broken == ForwardCapture.retries and not fc.graphs
+        torch.cuda.synchronize(); torch.cuda.empty_cache()
+        return torch.cuda.memory_reserved() - before
+    released = kept_by_two_breaks()
+    with monkeypatch.context() as m:
+        m.setattr(capture, '_pool_released', lambda pool, device: None)
+        kept = kept_by_two_breaks()
+    assert kept > 0 and released < kept/2, (released, kept)
 
 
 # ---------------------------------------------------------------- the inference forward, captured (`ForwardCapture`)

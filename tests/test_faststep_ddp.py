@@ -471,6 +471,38 @@ def test_ddp_bench_every_rank_says_which_rank_and_which_batch(monkeypatch, capsy
     assert out.count('garbage collector') == 1 and 'ddp_bench rank 1: the garbage collector ran (generation 2) during a CUDA graph capture' in out, out
 
 
+def test_ddp_bench_recapture_captures_every_forward_and_shows_the_threads(monkeypatch, capsys):
+    """`--recapture`: each inference forward's graph goes after it (the next forward of that shape captures again), broken
+    captures are tried again without end, and a capture's first error prints what the process's other threads are doing"""
+    import threading, time
+    from helpers import load_tool
+    from dali_fastai.capture import ForwardCapture
+    ddp = load_tool('ddp_bench')
+    def forward(self, x): self.graphs['key'] = 'graph'; return x  # a forward that captured
+    def eager(self, x): raise RuntimeError('CUDA error: operation failed due to a previous error during capture')
+    for k,f in (('forward', forward), ('_eager', eager), ('retries', ForwardCapture.retries)): monkeypatch.setattr(ForwardCapture, k, f)
+    ddp.recapture_each(1)
+    fc = SimpleNamespace(graphs={})
+    assert ForwardCapture.forward(fc, 3) == 3 and fc.graphs == {} and ForwardCapture.retries > 1000
+    r,w = os.pipe()
+    t = threading.Thread(target=os.read, args=(r, 1), name='reading'); t.start()  # in a system call (read) that is not a wait's
+    for _ in range(3000):  # until it is in read (30 s at most: a test never hangs)
+        if _syscall(t.native_id).split()[0] == '0': break
+        time.sleep(0.01)
+    try:
+        monkeypatch.setattr(torch.cuda, 'is_current_stream_capturing', lambda: False)
+        with pytest.raises(RuntimeError, match='previous error'): ForwardCapture._eager(fc, 3)  # outside a capture: nothing said
+        assert 'beside it' not in capsys.readouterr().out
+        monkeypatch.setattr(torch.cuda, 'is_current_stream_capturing', lambda: True)
+        with pytest.raises(RuntimeError, match='previous error'): ForwardCapture._eager(fc, 3)
+    finally: os.write(w, b'x'); t.join(); os.close(r); os.close(w)
+    out = capsys.readouterr().out
+    assert 'ddp_bench rank 1: a capture failed; beside it:' in out and "(Python thread 'reading') state S, system call 0" in out, out
+    assert 'waiting: ' in out
+
+def _syscall(tid:int)->str: return open(f'/proc/self/task/{tid}/syscall').read()
+
+
 def test_ddp_bench_keeps_ddp_default_for_faststep_cases_only(tmp_path, monkeypatch):
     """`--compare --no-bucket-view`: FastStep's cases get the flag (`FastStep(bucket_view=False)`) and their own file; any
     other case (built with DDP's default already) is refused before a run"""

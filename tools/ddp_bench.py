@@ -253,6 +253,50 @@ def paid(costs:dict, builds:dict)->str:
     return f"; of which {', '.join(said)}" if said else ''
 
 
+QUIET_CALLS = {7, 23, 35, 202, 230, 232, 270, 271, 281}  # x86-64 system calls a thread waits in: poll, select, nanosleep, futex, clock_nanosleep, epoll_wait, pselect6, ppoll, epoll_pwait
+
+def threads_now(skip:int)->list:
+    """This process's threads but `skip` (a native id) at this moment, from /proc: those running or in a system call other
+    than a wait (16 is ioctl, the CUDA driver's), each with its innermost Python frames if it runs Python; the rest counted by name"""
+    import collections, sys, threading, traceback
+    frames = sys._current_frames()
+    py = {t.native_id: (t.name, frames.get(t.ident)) for t in threading.enumerate()}
+    busy,waiting = [],collections.Counter()
+    for task in Path('/proc/self/task').iterdir():
+        tid = int(task.name)
+        if tid == skip: continue
+        try: name,state,call = (task/'comm').read_text().strip(),(task/'stat').read_text().rsplit(')', 1)[1].split()[0],(task/'syscall').read_text().split()[0]
+        except OSError: continue  # it ended meanwhile
+        if state == 'R' or (call.isdigit() and int(call) not in QUIET_CALLS):
+            pyname,frame = py.get(tid, (None, None))
+            where = ' <- '.join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(traceback.extract_stack(frame)[-3:])) if frame else ''
+            busy.append(f"{name}[{tid}]{f' (Python thread {pyname!r})' if pyname else ''} state {state}, system call {call}{': ' + where if where else ''}")
+        else: waiting[name] += 1
+    return busy + [f"waiting: {dict(waiting)}"]
+
+
+def recapture_each(rank:int):
+    """A probe's switch (`--recapture`): every inference forward after a shape's first is captured anew (its graph dropped after
+    the replay), a capture another thread broke is tried again without end, and at the first error of a capture that fails this
+    rank prints what every other thread of the process is doing then (`threads_now`): many captures a run, each a sample of
+    what runs beside one"""
+    import threading
+    from dali_fastai.capture import ForwardCapture
+    ForwardCapture.retries = 1 << 30
+    forward,eager = ForwardCapture.forward,ForwardCapture._eager
+    def each(self, *args, **kwargs):
+        out = forward(self, *args, **kwargs)
+        self.graphs.clear()  # the shape's next forward captures again
+        return out
+    def caught(self, *args, **kwargs):
+        try: return eager(self, *args, **kwargs)
+        except Exception:
+            if torch.cuda.is_current_stream_capturing():
+                print(f"ddp_bench rank {rank}: a capture failed; beside it:\n  " + '\n  '.join(threads_now(threading.get_native_id())), flush=True)
+            raise
+    ForwardCapture.forward,ForwardCapture._eager = each,caught
+
+
 def every_rank_says(rank:int):
     """A probe's switch (`--every-rank-says`): `GraphCapture` and `ForwardCapture` say a failed capture on every rank, not on
     rank 0 only; each warning this process prints names its rank, each inference-forward capture prints its batch's shape,
@@ -329,6 +373,8 @@ def main():
     p.add_argument('--every-rank-says', action='store_true', help="FastStep's messages (a capture that failed) from every rank, "
                    "not from the first only, each naming its rank; each inference-forward capture's batch shape, each capture another thread "
                    "broke (tried again), and each run of the garbage collector during a capture: a capture failing on one rank alone is said")
+    p.add_argument('--recapture', action='store_true', help="a probe (implies --every-rank-says): every inference forward after a "
+                   "shape's first captured anew, each broken capture tried again, and what every other thread does when one fails")
     p.add_argument('--result', default=None, help='rank 0 writes {"img_s": ...} here')
     a = p.parse_args()
     if a.compare:
@@ -349,7 +395,8 @@ def main():
     if a.no_kept_decoder: dali_fastai.loader.keep_decoder = lambda *args: None  # a probe's switch, as tools/session_starts.py's
     if a.decoder_cost is not None: dali_fastai.loader.gpu_decoder_cost = lambda *args: a.decoder_cost  # the move, and its trial, early
     rank, world = int(os.environ.get('RANK', 0)), int(os.environ.get('WORLD_SIZE', 1))
-    if a.every_rank_says: every_rank_says(rank)
+    if a.every_rank_says or a.recapture: every_rank_says(rank)
+    if a.recapture: recapture_each(rank)
     torch.cuda.set_device(int(os.environ.get('LOCAL_RANK', 0)))
     path = a.path or bench_images(n_per_class=a.n_per_class or 2000)  # the same folder on every rank (written once, atomically)
     dls = DaliDataLoaders.from_folder(path, valid_pct=0.1, bs=a.bs, size=a.size, seed=0, num_threads=a.num_threads,

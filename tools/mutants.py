@@ -296,6 +296,12 @@ MUTANTS = [
      "a DALI pipeline freed by the garbage collector mid-capture syncs the device: the process stops"),
     ('capture', "        (again if again is not None and _invalidated(e) else fail or capture._fail)(why)", "        (fail or capture._fail)(why)",
      "an inference forward's capture another thread broke is given up on at once: that rank validates uncaptured to the fit's end"),
+    ('capture', "    return _INVALIDATED in first or (_INVALIDATED in str(chain[0]) and any(s in first for s in _LIBRARIES_MET))",
+     "    return _INVALIDATED in first", "a capture another thread broke that cuDNN met first is given up on at once"),
+    ('capture', "        _leftovers_spent(device)\n", "        pass\n",
+     "the error cuDNN kept from a broken capture fails the next uncaptured forward, which stops the fit"),
+    ('capture', "        if pool is not None: _pool_released(pool, device)", "        pass",
+     "a failed capture keeps its memory pool: 40 broken ResNet-50 forwards kept 4.8 GiB on an H200"),
 ]
 
 FAST = ['tests/test_defaults.py', 'tests/test_augment_stats.py']
