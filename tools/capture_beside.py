@@ -27,7 +27,7 @@ moment, 259 failed, 25 of them met first by cuDNN, and after 10 of those the mod
 with CUDNN_STATUS_EXECUTION_FAILED_CUDART; with `_leftovers_spent`, none of 400 more. 40 captures broken after the forward
 kept 4,804 MiB, which `empty_cache` did not give back; 0 MiB with `_pool_released`. Beside the other rank's NCCL work
 (all-gathers of old and new sizes, a new communicator's first collectives, this rank's own all-reduce pending): 0 of 260
-captures failed. GPU only.
+captures failed; beside each of the 4 loaders running ahead, 0 of 500 (`--cases loaders --captures 500`). GPU only.
 """
 import argparse, collections, contextlib, gc, random, subprocess, sys, threading, time
 
