@@ -4,7 +4,7 @@ exactly-once and whole-set-metric checks as without it (`ddp_worker.check`), wit
 forward replayed through DDP's wrapping on one GPU.
 Why a DDP model is not captured (find_unused_parameters, SyncBatchNorm, gloo), and the SyncBatchNorm note, on a
 one-process group."""
-import json, os, socket, subprocess, sys, warnings
+import json, os, platform, socket, subprocess, sys, warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -471,13 +471,19 @@ def test_ddp_bench_every_rank_says_which_rank_and_which_batch(monkeypatch, capsy
     assert out.count('garbage collector') == 1 and 'ddp_bench rank 1: the garbage collector ran (generation 2) during a CUDA graph capture' in out, out
 
 
+@pytest.mark.skipif(platform.machine() != 'x86_64' or not os.path.exists('/proc/self/task'),
+                    reason="threads_now reads Linux's /proc and knows x86-64's system call numbers")
 def test_ddp_bench_recapture_captures_every_forward_and_shows_the_threads(monkeypatch, capsys):
     """`--recapture`: each inference forward's graph goes after it (the next forward of that shape captures again), broken
-    captures are tried again without end, and a capture's first error prints what the process's other threads are doing"""
+    captures are tried again without end, and a capture's first error prints what the process's other threads are doing;
+    a probe of one run, refused with --compare"""
     import threading, time
     from helpers import load_tool
     from dali_fastai.capture import ForwardCapture
     ddp = load_tool('ddp_bench')
+    monkeypatch.setattr(ddp, 'run_case', lambda n, args: pytest.fail('a case ran'))
+    monkeypatch.setattr(sys, 'argv', ['ddp_bench.py', '--compare', '1', '--recapture'])
+    with pytest.raises(SystemExit, match='--recapture is a probe of one run'): ddp.main()
     def forward(self, x): self.graphs['key'] = 'graph'; return x  # a forward that captured
     def eager(self, x): raise RuntimeError('CUDA error: operation failed due to a previous error during capture')
     for k,f in (('forward', forward), ('_eager', eager), ('retries', ForwardCapture.retries)): monkeypatch.setattr(ForwardCapture, k, f)

@@ -378,6 +378,7 @@ def main():
     p.add_argument('--result', default=None, help='rank 0 writes {"img_s": ...} here')
     a = p.parse_args()
     if a.compare:
+        if a.recapture: raise SystemExit("--recapture is a probe of one run (its captures slow every validation): run it without --compare")
         most = torch.cuda.device_count() if a.compare == 'max' else int(a.compare)
         if a.n_per_class is None and a.path is None: a.n_per_class = n_per_class_for(a.images_per_rank, most)
         keep = [x for k in ('arch', 'path', 'bs', 'size', 'n_per_class', 'epochs', 'num_threads', 'hw_decoder_load', 'decode_on', 'decoder_cost') if getattr(a, k) is not None
